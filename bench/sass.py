@@ -1,0 +1,91 @@
+"""Compile our Triton kernels for sm_90 on a machine without a GPU and report what the compiler did.
+
+Uses the ptxas/cuobjdump that ship inside the triton wheel. Prints, per kernel variant: registers,
+spills, shared memory, which matrix instructions appear (HGMMA = wgmma, HMMA = mma.sync) and the
+instruction mix inside the hot loop, so block shapes can be judged before spending device time.
+
+    python -m bench.sass int4 BLOCK_N BLOCK_K GROUP SPLIT warps stages
+    python -m bench.sass sdpa BLOCK_R BLOCK_N warps stages
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, aligned=()):
+    """`aligned`: argument names a launch would specialise as divisible by 16 (pointers, most sizes)."""
+    names = list(signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                             num_stages=num_stages))
+
+
+def report(k, name: str) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        open(cubin, "wb").write(k.asm["cubin"])
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", cubin], capture_output=True,
+                              text=True).stdout
+        ptx = os.path.join(d, "k.ptx")
+        open(ptx, "w").write(k.asm["ptx"])
+        v = subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "o")],
+                           capture_output=True, text=True).stderr
+    ops = [m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)]
+    mix = collections.Counter(ops)
+    regs = re.search(r"Used (\d+) registers", v)
+    spill = re.findall(r"(\d+) bytes spill stores", v)
+    out = dict(name=name, regs=int(regs.group(1)) if regs else None, spill_stores=spill,
+               shared=k.metadata.shared, n_instr=len(ops),
+               mma=sorted(o for o in mix if "MMA" in o or "GMMA" in o),
+               top=mix.most_common(25))
+    return out
+
+
+def int4(block_n, block_k, group, split, warps, stages):
+    from kernels.int4_gemm import BLOCK_M, _int4_mm_kernel
+    sig = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16", ws_ptr="*fp32",
+               cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32", stride_ym="i32",
+               GROUP="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", BLOCK_M="constexpr",
+               SPLIT_K="constexpr", PTX="constexpr")
+    const = dict(GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split, PTX=True)
+    aligned = [a for a, t in sig.items() if t.startswith("*")] + ["N", "K", "stride_xm", "stride_ym"]
+    return compile_sm90(_int4_mm_kernel.get(), sig, const, warps, stages, aligned)
+
+
+def sdpa(block_r, block_n, warps, stages, G=4, m_pad=8, D=128, splits=64):
+    from kernels.sdpa_midm import _sdpa_split_kernel
+    sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", pos_ptr="*i64", vlen_ptr="*i64", ml_ptr="*fp32",
+               acc_ptr="*fp32", M="i32", L="i32", qk_scale="fp32", window="i32",
+               stride_qb="i32", stride_qh="i32", stride_qm="i32", stride_kb="i32", stride_kh="i32",
+               stride_kl="i32", stride_vb="i32", stride_vh="i32", stride_vl="i32",
+               H_KV="constexpr", G="constexpr", M_PAD="constexpr", BLOCK_R="constexpr", BLOCK_N="constexpr",
+               D="constexpr", SPLITS="constexpr", HAS_VLEN="constexpr", HAS_WINDOW="constexpr")
+    const = dict(H_KV=8, G=G, M_PAD=m_pad, BLOCK_R=block_r, BLOCK_N=block_n, D=D, SPLITS=splits, HAS_VLEN=True,
+                 HAS_WINDOW=False)
+    aligned = [a for a, t in sig.items() if t.startswith("*")] + [a for a in sig if a.startswith("stride")] + ["L"]
+    return compile_sm90(_sdpa_split_kernel.get(), sig, const, warps, stages, aligned)
+
+
+if __name__ == "__main__":
+    what, *nums = sys.argv[1:]
+    nums = [int(n) for n in nums]
+    k = {"int4": int4, "sdpa": sdpa}[what](*nums)
+    r = report(k, f"{what}{nums}")
+    for key, val in r.items():
+        print(f"{key}: {val}")
+    if os.environ.get("DUMP"):
+        open(os.environ["DUMP"] + ".ttgir", "w").write(k.asm["ttgir"])
+        open(os.environ["DUMP"] + ".ptx", "w").write(k.asm["ptx"])

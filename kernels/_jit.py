@@ -1,0 +1,68 @@
+"""Triton kernels whose compile-or-interpret choice is made at launch, not at import.
+
+Triton 3.6 reads `TRITON_INTERPRET` when `@triton.jit` decorates a function (triton/runtime/jit.py:
+`jit()` checks `knobs.runtime.interpret` inside the decorator). Decorating at import would freeze the
+choice at whichever moment `kernels` was first imported, so a test suite in which another module imports
+it first would run GPU-compiled kernels on CPU tensors. `LazyJit` keeps the plain function and decorates
+it on first launch in each mode; `launch` wraps it with `torch.library.wrap_triton` so the launch traces
+into graphs (torch passes an interpreted kernel through unwrapped).
+
+Interpreter shims (CPU tests only; they change nothing when kernels are compiled):
+- the 3.6 interpreter keeps scalars as 1-element numpy arrays and converts them with `int(array)`, which
+  numpy >= 2.4 refuses for 1-d arrays, so `range()` over any run-time value fails: read the one element;
+- it stores bfloat16 as uint16 bit patterns and `tl.dot` multiplies those patterns as integers: widen
+  bfloat16 operands to float32 (exact) before the product.
+"""
+
+from __future__ import annotations
+
+import triton
+from torch.library import wrap_triton
+
+
+def _fix_interpreter() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_eagle3_fixed", False):
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = patched_tensor
+    interpreter.InterpreterBuilder.create_dot = patched_dot
+    interpreter._eagle3_fixed = True
+
+
+class LazyJit:
+    def __init__(self, fn):
+        self.fn = fn
+        self._by_mode = {}
+
+    def get(self):
+        mode = bool(triton.knobs.runtime.interpret)
+        if mode not in self._by_mode:
+            if mode:
+                _fix_interpreter()
+            self._by_mode[mode] = triton.jit(self.fn)
+        return self._by_mode[mode]
+
+    def __getitem__(self, grid):
+        return wrap_triton(self.get())[grid]
+
+
+def lazy_jit(fn) -> LazyJit:
+    return LazyJit(fn)

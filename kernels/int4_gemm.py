@@ -1,0 +1,208 @@
+"""INT4 weight-only GEMM for small M: every weight byte is read once for all M <= 16 activation rows.
+
+Format (ours, group g in {32, 128}):
+  packed uint8 [N, K/2]  byte j of row n holds k = 2j in the low nibble and k = 2j+1 in the high nibble;
+  scale, zero  bf16 [K/g, N] (group-major, so one group's values for a tile of columns are contiguous);
+  w[n, k] = (q[n, k] - zero[k // g, n]) * scale[k // g, n], with q in 0..15 and integer zero in 0..15.
+
+Kernel (`int4_mm`): one program owns BLOCK_N output columns (and one of SPLIT_K slices of K). The
+weights are the left operand of the tensor-core product, so the tile [BLOCK_N, k] is dequantised in
+registers and the M activation rows (padded to 16) are the right operand: weight traffic does not grow
+with M. Dequantisation costs one or two integer ops per weight: q | 0x4300 read as bf16 is exactly 128 + q,
+the products against x run on the tensor cores, and the group's affine map is applied to the [BLOCK_N, 16]
+partial sum instead of to every weight:
+  sum_k x_k (q_k - z) s = s * (sum_k x_k (128 + q_k) - (128 + z) * sum_k x_k).
+Even and odd k come from the low and high nibbles, so x is split the same way instead of interleaving the
+weights. With SPLIT_K > 1 each program writes an fp32 partial; the last program of a column tile to
+arrive (a per-tile counter, reset by that program) sums the partials in split order and writes the
+output, so the result is deterministic and the op is one launch.
+
+`int4_mm_reference` is the plain PyTorch definition (dequantise, then matmul) the tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._jit import lazy_jit
+
+BLOCK_M = 16  # activation rows per launch (the tensor-core minimum); M <= BLOCK_M
+GROUPS = (32, 128)
+
+
+# ----------------------------------------------------------------------------- format and reference
+
+def quantize_int4(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantisation of w [N, K] -> (packed uint8 [N, K/2], scale bf16 [K/g, N], zero bf16 [K/g, N])."""
+    N, K = w.shape
+    if group not in GROUPS or K % group:
+        raise ValueError(f"group {group} must be one of {GROUPS} and divide K={K}")
+    wg = w.detach().float().reshape(N, K // group, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16).float()  # quantise against the stored scale
+    zero = (-lo / scale).round().clamp(0, 15)
+    q = (wg / scale[..., None] + zero[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(N, K)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed.contiguous(), scale.t().contiguous().to(torch.bfloat16), zero.t().contiguous().to(torch.bfloat16)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [N, K/2] -> q uint8 [N, K]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_int4(packed, scale, zero, group: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """-> w [N, K] in `dtype`, computed in float32 then rounded once."""
+    q = unpack_int4(packed).float()
+    s = scale.float().t().repeat_interleave(group, dim=1)
+    z = zero.float().t().repeat_interleave(group, dim=1)
+    return ((q - z) * s).to(dtype)
+
+
+def int4_mm_reference(x: torch.Tensor, packed, scale, zero, group: int) -> torch.Tensor:
+    """x [M, K] @ dequantize(w).T -> [M, N] in x's dtype."""
+    return x @ dequantize_int4(packed, scale, zero, group, x.dtype).t()
+
+
+# ----------------------------------------------------------------------------- kernel
+
+@lazy_jit
+def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
+                    M, N, K, stride_xm, stride_ym,
+                    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    # Byte b of a 4-byte word holds k = 2b (low nibble) and 2b+1 (high nibble). The unpacking below
+    # yields the four low (high) nibbles of a word in byte order 0, 2, 1, 3, so x is gathered in that
+    # order: element i of a group's half-tile is byte (i & ~3) | (i & 1) << 1 | (i >> 1) & 1.
+    i = tl.arange(0, GROUP // 2)
+    byte = (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * (K // 2)
+    x_cols = x_ptr + offs_m[None, :] * stride_xm + 2 * byte[:, None]  # x^T [GROUP/2, BLOCK_M], even k
+    k_len = K // SPLIT_K
+    k_start = pid_k * k_len
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, k_len, BLOCK_K):  # (offset loop: the interpreter cannot range over program ids)
+        for j in tl.static_range(BLOCK_K // GROUP):
+            kg = k_start + k0 + j * GROUP
+            p = tl.load(w_rows + (kg // 2 + i)[None, :], mask=n_ok[:, None], other=0)
+            # lo = bf16 128 + q[2b], hi = bf16 128 + q[2b+1]. PTX: one lop3 per two values on 32-bit words
+            # (GPU); else the same values in the same order from plain ops (the interpreter).
+            if PTX:
+                lo, hi = tl.inline_asm_elementwise(
+                    asm="""{
+                    .reg .b32 t1, t2, t3;
+                    shr.u32 t1, $4, 4;
+                    shr.u32 t2, $4, 8;
+                    shr.u32 t3, $4, 12;
+                    lop3.b32 $0, $4, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 $1, t2, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 $2, t1, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 $3, t3, 0x000F000F, 0x43004300, 0xEA;
+                    }""",
+                    constraints="=r,=r,=r,=r,r", args=[p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                    pack=4)
+            else:
+                lo = ((p & 0xF).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+                hi = ((p >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+                lo = tl.reshape(tl.permute(tl.reshape(lo, (BLOCK_N, GROUP // 8, 2, 2)), (0, 1, 3, 2)),
+                                (BLOCK_N, GROUP // 2))
+                hi = tl.reshape(tl.permute(tl.reshape(hi, (BLOCK_N, GROUP // 8, 2, 2)), (0, 1, 3, 2)),
+                                (BLOCK_N, GROUP // 2))
+            x_even = tl.load(x_cols + kg, mask=m_ok[None, :], other=0.0)
+            x_odd = tl.load(x_cols + kg + 1, mask=m_ok[None, :], other=0.0)
+            part = tl.dot(lo, x_even)
+            part = tl.dot(hi, x_odd, part)  # = sum x q + 128 X, X = the group's sums of x
+            x_sum = tl.sum(x_even.to(tl.float32), axis=0) + tl.sum(x_odd.to(tl.float32), axis=0)
+            g = kg // GROUP
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            acc += s[:, None] * part - ((z + 128.0) * s)[:, None] * x_sum[None, :]
+
+    out_ok = n_ok[:, None] & m_ok[None, :]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_ok)
+        tl.debug_barrier()  # every thread's partial is issued before the (release) arrival below
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s_idx in tl.static_range(SPLIT_K):
+                total += tl.load(ws_ptr + (s_idx * M + offs_m[None, :]) * N + offs_n[:, None], mask=out_ok,
+                                 other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+
+
+# ----------------------------------------------------------------------------- launch configuration
+
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) chosen per (K, N) from the one tuning run on the
+# H200 (bench/NOTES.md); `default_config` covers shapes not in the table.
+CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 1 << 15
+
+
+def default_config(N: int, K: int, group: int, sms: int = 132) -> tuple[int, int, int, int, int]:
+    """Enough (tile, split) programs to keep every SM streaming: >= 2 programs per SM when K allows."""
+    block_n, block_k = 64, max(group, 128)
+    tiles = triton.cdiv(N, block_n)
+    split = 1
+    while tiles * split < 2 * sms and K % (2 * split * block_k) == 0 and K // (2 * split) >= 1024:
+        split *= 2
+    return block_n, block_k, split, 4, 4
+
+
+def pick_config(N: int, K: int, group: int) -> tuple[int, int, int, int, int]:
+    return CONFIGS.get((K, N, group)) or default_config(N, K, group)
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """Per-device arrival counters for split-K (all zero between launches). Allocate before graph capture."""
+    device = torch.device(device)
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def launch_int4_mm(x, packed, scale, zero, group: int, config=None, out=None) -> torch.Tensor:
+    """Launch the kernel (no op registration): x [M, K] bf16, M <= 16 -> y [M, N] bf16."""
+    M, K = x.shape
+    N = packed.shape[0]
+    if M > BLOCK_M:
+        raise ValueError(f"int4_mm takes M <= {BLOCK_M} rows; got {M} (use the dense path)")
+    block_n, block_k, split, warps, stages = config or pick_config(N, K, group)
+    if K % (split * block_k) or block_k % group:
+        raise ValueError(f"config {config} does not tile K={K} with group {group}")
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
+    cnt = counters(x.device) if split > 1 else y
+    grid = (triton.cdiv(N, block_n), split)
+    if grid[0] > _MAX_TILES:
+        raise ValueError(f"N={N} needs {grid[0]} column tiles; the counter buffer has {_MAX_TILES}")
+    _int4_mm_kernel[grid](x, packed, scale, zero, y, ws, cnt, M, N, K, x.stride(0), y.stride(0),
+                          GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split,
+                          PTX=not triton.knobs.runtime.interpret, num_warps=warps, num_stages=stages)
+    return y
+
+
+@torch.library.triton_op("eagle3::int4_mm", mutates_args=())
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+            group: int) -> torch.Tensor:
+    """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] -> [M, N] bf16."""
+    return launch_int4_mm(x.contiguous(), packed, scale, zero, group)
+
+
+@int4_mm.register_fake
+def _(x, packed, scale, zero, group):
+    return x.new_empty((x.shape[0], packed.shape[0]))

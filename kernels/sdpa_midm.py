@@ -1,0 +1,191 @@
+"""Split-K attention for 1 <= M <= 16 query rows over a long KV cache (decode M = 1, verify M = K + 1).
+
+  q       [B, Hq, M, D]  (any strides, last dim contiguous)
+  k, v    [B, Hkv, L, D] (the static cache; last dim contiguous), Hq = G * Hkv (GQA)
+  q_pos   int [M]        absolute position of each query row
+  valid_len  int [1] device tensor or None: keys at index >= valid_len are ignored
+  window  0 = none, else key j is visible to row m only if j > q_pos[m] - window
+Key j is visible to row m iff j <= q_pos[m] (and j < valid_len, and inside the window). The key range
+that is read is [0, end) with end = min(valid_len, max(q_pos) + 1, L), computed on the device, so the
+launch has no host sync and can be captured in a CUDA graph.
+
+Kernel 1 (grid SPLITS x B*Hkv): a program owns one KV head and one of SPLITS equal chunks of [0, end).
+All G*M query rows of that KV head (G heads x M rows, padded to BLOCK_R >= 16) stay resident, so each K/V
+tile is loaded once for every q head and every row: KV traffic is independent of G and M. Online softmax
+in fp32 (exp2 domain) gives a partial (m, l, acc) per row and split. Kernel 2 (grid B*Hkv x G*M) merges the
+splits with a log-sum-exp reduce and writes the output as a [B, M, Hq, D] buffer returned as its
+[B, Hq, M, D] view, so the usual `.transpose(1, 2).reshape(B, M, Hq*D)` that follows is free.
+
+`sdpa_reference` is the plain PyTorch definition the tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._jit import lazy_jit
+
+MAX_M = 16
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------- reference
+
+def visible(q_pos: torch.Tensor, L: int, valid_len=None, window: int = 0) -> torch.Tensor:
+    """bool [M, L]: key j visible to query row m."""
+    j = torch.arange(L, device=q_pos.device)
+    mask = j[None, :] <= q_pos[:, None]
+    if valid_len is not None:
+        mask = mask & (j[None, :] < valid_len.reshape(-1)[:1])
+    if window:
+        mask = mask & (j[None, :] > q_pos[:, None] - window)
+    return mask
+
+
+def sdpa_reference(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | None = None):
+    """Plain attention in float32: softmax(q k^T * scale, masked) v with GQA. -> [B, Hq, M, D] in q's dtype."""
+    B, Hq, M, D = q.shape
+    G = Hq // k.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    kf = k.float().repeat_interleave(G, dim=1)
+    vf = v.float().repeat_interleave(G, dim=1)
+    s = (q.float() @ kf.transpose(-2, -1)) * scale
+    s = s.masked_fill(~visible(q_pos, k.shape[2], valid_len, window), float("-inf"))
+    return (torch.softmax(s, dim=-1) @ vf).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@lazy_jit
+def _sdpa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, vlen_ptr, ml_ptr, acc_ptr,
+                       M, L, qk_scale, window,
+                       stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kl,
+                       stride_vb, stride_vh, stride_vl,
+                       H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_N: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                       HAS_VLEN: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_KV
+    h = pid_bh % H_KV
+    r = tl.arange(0, BLOCK_R)  # row r = head g * M_PAD + query row m
+    g = r // M_PAD
+    m = r % M_PAD
+    row_ok = (g < G) & (m < M)
+    pos = tl.load(pos_ptr + m, mask=row_ok, other=-1).to(tl.int32)
+    end = tl.minimum(tl.max(pos, axis=0) + 1, L)
+    if HAS_VLEN:
+        end = tl.minimum(end, tl.load(vlen_ptr).to(tl.int32))
+    chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    stop = tl.minimum(start + chunk, end)
+
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + m[:, None] * stride_qm + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+    m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, D), tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for n0 in range(0, stop - start, BLOCK_N):  # (offset loop: the interpreter cannot range over loads)
+        j = start + n0 + n
+        j_ok = j < stop
+        kt = tl.load(k_base + j[:, None] * stride_kl + d[None, :], mask=j_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kt)) * qk_scale  # log2 domain
+        vis = (j[None, :] <= pos[:, None]) & j_ok[None, :]
+        if HAS_WINDOW:
+            vis = vis & (j[None, :] > pos[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays 0
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_base + j[:, None] * stride_vl + d[None, :], mask=j_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+
+    part = pid_bh * SPLITS + pid_s
+    tl.store(ml_ptr + (part * 2) * BLOCK_R + r, m_i)
+    tl.store(ml_ptr + (part * 2 + 1) * BLOCK_R + r, l_i)
+    tl.store(acc_ptr + (part * BLOCK_R + r)[:, None] * D + d[None, :], acc)
+
+
+@lazy_jit
+def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_om,
+                        H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                        D: tl.constexpr, SPLITS: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_r = tl.program_id(1)  # = g * M + m over the valid rows
+    g = pid_r // M
+    m = pid_r % M
+    r = g * M_PAD + m
+    b = pid_bh // H_KV
+    h = pid_bh % H_KV
+    s = tl.arange(0, SPLITS)
+    part = pid_bh * SPLITS + s
+    m_s = tl.load(ml_ptr + (part * 2) * BLOCK_R + r)
+    l_s = tl.load(ml_ptr + (part * 2 + 1) * BLOCK_R + r)
+    m_max = tl.max(m_s, axis=0)
+    w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_max))
+    d = tl.arange(0, D)
+    acc = tl.load(acc_ptr + (part * BLOCK_R + r)[:, None] * D + d[None, :])
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_s, axis=0)
+    tl.store(o_ptr + b * stride_ob + (h * G + g) * stride_oh + m * stride_om + d, out.to(o_ptr.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------- launch
+
+def default_splits(L: int, heads: int, block_n: int = 64, sms: int = 132) -> int:
+    """Splits of the key range: ~4 programs per SM when the cache is long, >= 4 key tiles per split."""
+    want = triton.next_power_of_2(max(1, triton.cdiv(4 * sms, heads)))
+    most = triton.next_power_of_2(max(1, L // (4 * block_n)))
+    return max(1, min(want, most, 128))
+
+
+def launch_sdpa(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | None = None,
+                splits: int | None = None, block_n: int = 64, warps: int = 4, stages: int = 3):
+    B, Hq, M, D = q.shape
+    _, Hkv, L, _ = k.shape
+    if M > MAX_M:
+        raise ValueError(f"sdpa_midm takes M <= {MAX_M} query rows; got {M} (use the dense path)")
+    if Hq % Hkv or D & (D - 1) or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("sdpa_midm needs Hq % Hkv == 0, power-of-2 head_dim and contiguous last dims")
+    G = Hq // Hkv
+    m_pad = triton.next_power_of_2(M)
+    block_r = max(16, triton.next_power_of_2(G) * m_pad)
+    splits = splits or default_splits(L, B * Hkv, block_n)
+    scale = D ** -0.5 if scale is None else scale
+    ml = torch.empty((B * Hkv * splits * 2, block_r), dtype=torch.float32, device=q.device)
+    acc = torch.empty((B * Hkv * splits * block_r, D), dtype=torch.float32, device=q.device)
+    out = torch.empty((B, M, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+    vlen = valid_len if valid_len is not None else q_pos
+    _sdpa_split_kernel[(splits, B * Hkv)](
+        q, k, v, q_pos, vlen, ml, acc, M, L, scale * LOG2E, window,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, BLOCK_N=block_n, D=D, SPLITS=splits,
+        HAS_VLEN=valid_len is not None, HAS_WINDOW=window > 0, num_warps=warps, num_stages=stages)
+    _sdpa_reduce_kernel[(B * Hkv, G * M)](
+        ml, acc, out, M, out.stride(0), out.stride(1), out.stride(2),
+        H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, D=D, SPLITS=splits, num_warps=4)
+    return out
+
+
+@torch.library.triton_op("eagle3::sdpa_midm", mutates_args=())
+def sdpa_midm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+              valid_len: torch.Tensor | None = None, window: int = 0, scale: float | None = None) -> torch.Tensor:
+    """Attention of M <= 16 query rows over the cache; see the module docstring. -> [B, Hq, M, D]."""
+    return launch_sdpa(q, k, v, q_pos, valid_len, window, scale)
+
+
+@sdpa_midm.register_fake
+def _(q, k, v, q_pos, valid_len=None, window=0, scale=None):
+    B, Hq, M, D = q.shape
+    return q.new_empty((B, M, Hq, D)).transpose(1, 2)

@@ -1,0 +1,173 @@
+"""Configurations of the target transformer and the EAGLE-3 draft head.
+
+Both are plain dataclasses with no framework behind them. `TargetConfig.to_dict()/from_dict()` is the
+`config.json` of our own target checkpoints; the draft's on-disk form is the vLLM "speculators" layout
+(see models/checkpoint.py), so `DraftConfig` has no JSON form of its own beyond `to_dict()` for reports.
+
+Tap layers follow the Hugging Face `hidden_states` index convention: index 0 is the embedding output,
+index k is the residual stream after decoder layer k-1 (before the final norm), so valid indices are
+[0, L]. `tap_layers=None` means the vLLM/EAGLE default (2, L//2, L-3), which is only a valid list for
+L >= 7; small test models therefore carry explicit taps (see `tiny_taps`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ROPE_SCALING_TYPES = ("default", "linear", "llama3")
+
+
+def default_taps(n_layers: int) -> tuple[int, int, int]:
+    """vLLM's and EAGLE-3's default tap layers (HF index convention)."""
+    return (2, n_layers // 2, n_layers - 3)
+
+
+def tiny_taps(n_layers: int) -> tuple[int, int, int]:
+    """Three ascending taps for any L >= 2: the default where it is valid, else low/mid/top layers."""
+    if n_layers >= 7:
+        return default_taps(n_layers)
+    a = min(2, n_layers - 2)
+    b = max(a + 1, n_layers // 2)
+    return (a, b, max(b + 1, n_layers - 3))
+
+
+def check_taps(tap_layers, n_layers: int) -> tuple[int, int, int]:
+    """Return `tap_layers` as a tuple, or raise ValueError showing the bad list.
+
+    Three ints, strictly ascending (hence unique), each in [0, n_layers]; their order is the order of the
+    fc input, so a permuted list is a different draft and is refused rather than sorted.
+    """
+    taps = list(tap_layers)
+    ok = (
+        len(taps) == 3
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in taps)
+        and all(0 <= t <= n_layers for t in taps)
+        and all(a < b for a, b in zip(taps, taps[1:]))
+    )
+    if not ok:
+        raise ValueError(
+            f"tap_layers {taps} invalid for a {n_layers}-layer target: need 3 strictly ascending ints in "
+            f"[0, {n_layers}] (HF convention: 0 = embeddings, k = residual after layer k-1)"
+        )
+    return tuple(taps)
+
+
+def check_rope_scaling(rope_scaling: dict | None, where: str = "rope_scaling") -> None:
+    if rope_scaling is None:
+        return
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(f"{where}: rope scaling type {kind!r} is not implemented (supported: {ROPE_SCALING_TYPES})")
+
+
+@dataclass
+class TargetConfig:
+    """A decoder-only Llama-family transformer (Llama, Mistral, Qwen2, Qwen3 options).
+
+    `sliding_window` is None (no layer windowed) or a per-layer list of window sizes (None = full
+    attention for that layer); a key is visible to a query when query_pos - window < key_pos <= query_pos.
+    `max_seq_len` sizes the static KV cache and the RoPE tables.
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    rms_norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    embed_scale: float = 1.0
+    logit_softcap: float | None = None
+    sliding_window: list | None = None
+    max_seq_len: int = 128
+    tap_layers: tuple | None = None
+    # Beyond the contract's list, needed by real checkpoints:
+    o_bias: bool = False  # Llama/Qwen3 attention_bias also puts a bias on o_proj
+    rope_scaling: dict | None = None  # None, {"rope_type": "linear"|"llama3", ...}
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.tap_layers is not None:
+            self.tap_layers = check_taps(self.tap_layers, self.n_layers)
+        if self.sliding_window is not None:
+            self.sliding_window = list(self.sliding_window)
+            if len(self.sliding_window) != self.n_layers:
+                raise ValueError(
+                    f"sliding_window has {len(self.sliding_window)} entries for {self.n_layers} layers"
+                )
+        check_rope_scaling(self.rope_scaling)
+
+    @property
+    def taps(self) -> tuple[int, int, int]:
+        """The effective tap layers (explicit or default), validated."""
+        return check_taps(self.tap_layers if self.tap_layers is not None else default_taps(self.n_layers),
+                          self.n_layers)
+
+    def window(self, layer: int) -> int | None:
+        return None if self.sliding_window is None else self.sliding_window[layer]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["tap_layers"] = None if self.tap_layers is None else list(self.tap_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TargetConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"TargetConfig: unknown keys {unknown}")
+        return cls(**d)
+
+
+@dataclass
+class DraftConfig:
+    """The EAGLE-3 draft head: one decoder layer with 2H-wide attention input over its own KV cache.
+
+    `vocab_size` is the target vocabulary V (the embedding and t2d size), `draft_vocab_size` Vd the
+    lm_head width. `target_hidden_size` is the width of each tap (fc takes 3 * target_hidden_size).
+    `tap_layers` None means "the target's default taps" (as in vLLM when the checkpoint omits them).
+    `norm_before_residual` (speculators semantics): the attention residual is the normed feature
+    instead of the raw one.
+    """
+
+    vocab_size: int = 256
+    draft_vocab_size: int = 256
+    hidden_size: int = 64
+    target_hidden_size: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-5
+    max_seq_len: int = 128
+    tap_layers: tuple | None = None
+    norm_before_residual: bool = False
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} > vocab_size={self.vocab_size}")
+        if self.tap_layers is not None:
+            self.tap_layers = tuple(self.tap_layers)
+        check_rope_scaling(self.rope_scaling)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["tap_layers"] = None if self.tap_layers is None else list(self.tap_layers)
+        return d
+
+
+# The tiny shape used by tests and the smoke pipeline: 4 layers, hidden 64, vocab 256.
+TINY = TargetConfig(tap_layers=tiny_taps(4))

@@ -1,0 +1,193 @@
+"""Building blocks shared by the target and the draft: RMSNorm, RoPE, attention with a static KV cache, SwiGLU.
+
+Export notes (torch.export with a dynamic T, then ExecuTorch):
+- every projection is a plain `nn.Linear` so a quantiser/kernel helper can swap it by type;
+- the attention math lives in one method, `Attention.attend(q, k, v, mask)`, so a kernel can replace it;
+- the cache is a registered (non-persistent) buffer [1, n_kv_heads, max_seq_len, head_dim] written with
+  `index_copy_` at `input_pos`; cached attention always runs over the whole buffer, and the boolean
+  mask (built from `input_pos` and an arange over max_seq_len) hides empty and stale slots, so no shape
+  depends on the data. The cached path is for inference: its K/V writes are detached (no gradient flows
+  through the cache); training uses the stateless path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale (weight applied in input dtype)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(rot_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies exactly as transformers computes them (default, linear, llama3)."""
+    inv = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    kind = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in (None, "default"):
+        return inv
+    factor = float(rope_scaling["factor"])
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        low = float(rope_scaling["low_freq_factor"])
+        high = float(rope_scaling["high_freq_factor"])
+        old_ctx = float(rope_scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not implemented")
+
+
+class Rope(nn.Module):
+    """cos/sin tables [max_seq_len, rot_dim] (non-persistent buffers), indexed by absolute position.
+
+    rot_dim = int(head_dim * partial_rotary_factor); only the first rot_dim channels of each head rotate
+    (HF rotate_half layout), the rest pass through.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, partial_rotary_factor: float = 1.0,
+                 rope_scaling: dict | None = None):
+        super().__init__()
+        self.rot_dim = int(head_dim * partial_rotary_factor)
+        self.head_dim = head_dim
+        inv = rope_inv_freq(self.rot_dim, theta, rope_scaling)
+        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.int64).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[pos], self.sin[pos]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, h, T, hd], cos/sin [T, rot_dim] (float32 tables, cast to x's dtype)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr, xp = x[..., :rot], x[..., rot:]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional qkv/o bias, per-head QK-norm (Qwen3) and a static KV cache.
+
+    `forward(x, cos, sin, mask, input_pos)`:
+      input_pos None -> stateless: keys are this call's keys (any batch), mask [T, T];
+      input_pos [T]  -> batch 1; K/V written into the cache at input_pos, then attention over the
+                        whole cache, mask [T, max_seq_len].
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                 max_seq_len: int, *, qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False,
+                 eps: float = 1e-6):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.q_proj = nn.Linear(in_dim, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(in_dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(in_dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, out_dim, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        shape = (1, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, in] -> q [B, h, T, hd], k, v [B, kv, T, hd] with RoPE applied to q and k."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T * scale, masked) v.  q [B,h,T,hd], k/v [B,kv,S,hd], mask bool [T,S] -> [B,h,T,hd].
+
+        The one place the attention math lives (a kernel may replace it). Softmax in float32 as HF eager.
+        """
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.matmul(p, v)
+
+    def forward(self, x, cos, sin, mask, input_pos=None):
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        if input_pos is not None:
+            if not is_tracing():
+                # The cached path is inference-only: never let a cache buffer join an autograd graph
+                # (it would keep every step's graph alive). Under export the graph has no autograd anyway.
+                k, v = k.detach(), v.detach()
+            self.k_cache.index_copy_(2, input_pos, k)
+            self.v_cache.index_copy_(2, input_pos, v)
+            k, v = self.k_cache, self.v_cache
+        out = self.attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def reset_cache(self) -> None:
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool [T, S]: key visible iff k_pos <= q_pos (and k_pos > q_pos - window for a windowed layer)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask = mask & (k_pos[None, :] > q_pos[:, None] - window)
+    return mask
+
+
+def is_tracing() -> bool:
+    """True under torch.compile / torch.export (strict or not): data-dependent Python checks must skip."""
+    compiler = torch.compiler
+    if compiler.is_compiling():
+        return True
+    is_exporting = getattr(compiler, "is_exporting", None)
+    return bool(is_exporting and is_exporting())

@@ -1,0 +1,54 @@
+"""Speculator: the one definition of the exported methods and of the eager engine.
+
+It owns a target and a draft. `prefill` and `target_verify` share the target's KV cache; `draft_decode`
+owns the draft's. Every method is batch 1, static in every shape but T, with no Python branch on tensor
+values and no branch on T, so `torch.export` with a dynamic T and ExecuTorch lowering see the same graph
+the eager engine runs. The feature handed to the draft is fc(taps), computed here, inside the target
+methods, so the .pte never ships the 3*H-wide taps across the method boundary.
+
+Exporters: wrap one method per module (all wrapping this same instance so the mutable buffers share
+names), and set `draft.check_gaps = False` if they trace in a mode where `is_tracing()` is not detected.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.draft import Eagle3Draft
+from models.target import Transformer
+
+
+class Speculator(nn.Module):
+    def __init__(self, target: Transformer, draft: Eagle3Draft):
+        super().__init__()
+        from models.checkpoint import validate_draft
+
+        validate_draft(draft, target.cfg)
+        self.target = target
+        self.draft = draft
+
+    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor):
+        """tokens [1,T], input_pos [T] -> (next_id [1,1] int64, feature [1,T,H], logits [1,V] of the last row)."""
+        logits, taps = self.target(tokens, input_pos, taps=True, last_only=True)
+        last = logits[:, -1, :]
+        return torch.argmax(last, dim=-1, keepdim=True), self.draft.fuse(taps), last
+
+    def target_verify(self, tokens: torch.Tensor, input_pos: torch.Tensor):
+        """tokens [1,T], input_pos [T] -> (ids [1,T] = argmax per row, feature [1,T,H], logits [1,T,V])."""
+        logits, taps = self.target(tokens, input_pos, taps=True)
+        return torch.argmax(logits, dim=-1), self.draft.fuse(taps), logits
+
+    def target_decode(self, tokens: torch.Tensor, input_pos: torch.Tensor):
+        """tokens [1,1], input_pos [1] -> (ids [1,1], logits [1,1,V]); the K=0 baseline (no taps, no feature)."""
+        logits = self.target(tokens, input_pos)
+        return torch.argmax(logits, dim=-1), logits
+
+    def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor):
+        """tokens [1,T], feature [1,T,H], input_pos [T] -> (target-vocab ids [1,T], g [1,T,H], logits [1,T,Vd])."""
+        logits, g = self.draft(tokens, feature, input_pos)
+        return self.draft.to_target(torch.argmax(logits, dim=-1)), g, logits
+
+    def reset(self) -> None:
+        self.target.reset_cache()
+        self.draft.reset_cache()

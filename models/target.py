@@ -1,0 +1,101 @@
+"""The target: one Llama-family decoder used for training, taps, export and eager inference alike.
+
+Two paths through the same weights:
+- stateless (`input_pos=None`): any batch, positions 0..T-1, causal mask; the KV cache is untouched.
+  Training and taps extraction use it.
+- cached (`input_pos` [T] given): batch 1; each layer writes K/V for these positions into its static
+  cache buffer and attends over the whole buffer under key_pos <= query_pos (and the layer's window).
+  Overwriting earlier slots is allowed (a verify window after a partial acceptance overwrites the
+  rejected slots); stale slots beyond the query positions are hidden by the mask.
+
+Taps (HF convention): index 0 = embedding output (after embed_scale), index k = residual after layer k-1,
+before the final norm. They are the very tensors the layers produce, so they are bit-identical to the
+per-layer states and computing them does not change the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.config import TargetConfig
+from models.layers import MLP, Attention, RMSNorm, Rope, attention_mask, is_tracing
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: h += attn(norm(h)); h += mlp(norm(h))."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                   cfg.max_seq_len, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
+                                   qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, cos, sin, mask, input_pos=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, input_pos)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = Rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.partial_rotary_factor,
+                         cfg.rope_scaling)
+        self.register_buffer("key_pos", torch.arange(cfg.max_seq_len), persistent=False)
+        self.windows = sorted({cfg.window(i) for i in range(cfg.n_layers)}, key=lambda w: (w is not None, w))
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None, *, taps: bool = False,
+                last_only: bool = False):
+        """tokens [B,T] int64 -> logits [B,T,V] (or [B,1,V] with last_only), plus taps when taps=True."""
+        h, tapped = self.hidden(tokens, input_pos, self.cfg.taps if taps else ())
+        if last_only:
+            h = h[:, -1:]
+        logits = self.lm_head(self.norm(h))
+        if self.cfg.logit_softcap is not None:
+            cap = self.cfg.logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return (logits, tuple(tapped)) if taps else logits
+
+    def hidden(self, tokens, input_pos=None, tap_layers=()):
+        """Run embeddings and all layers. Returns (last residual [B,T,H] pre-norm, [states at tap_layers])."""
+        B, T = tokens.shape
+        if input_pos is None:
+            q_pos = torch.arange(T, device=tokens.device)
+            k_pos = q_pos
+        else:
+            self._check_cached_call(tokens, input_pos)
+            q_pos, k_pos = input_pos, self.key_pos
+        cos, sin = self.rope.tables(q_pos)
+        masks = {w: attention_mask(q_pos, k_pos, w) for w in self.windows}
+        h = self.embed_tokens(tokens)
+        if self.cfg.embed_scale != 1.0:
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
+        tapped = [h] if 0 in tap_layers else []
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, masks[self.cfg.window(i)], input_pos)
+            if i + 1 in tap_layers:
+                tapped.append(h)
+        return h, tapped
+
+    def _check_cached_call(self, tokens, input_pos):
+        if tokens.shape[0] != 1:
+            raise ValueError(f"cached forward is batch 1 (the KV cache is [1, ...]); got batch {tokens.shape[0]}")
+        if is_tracing():
+            return
+        if input_pos.numel() and int(input_pos.max()) >= self.cfg.max_seq_len:
+            raise ValueError(f"input_pos {int(input_pos.max())} is beyond the cache (max_seq_len "
+                             f"{self.cfg.max_seq_len})")
+
+    def reset_cache(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.reset_cache()

@@ -1,0 +1,237 @@
+"""`python -m pipeline`: run the stages target -> taps -> draft -> export -> eval up to `+stage=...`.
+
+For each stage in order: import `pipeline/stages/<name>.py`, compute its cache key from its config
+subtrees and its upstream keys (`plan_keys`, a pure function of the config), then load the artifact from
+the store or build it (`Store.get_or_build`, under a file lock; the log says "cached <stage> <key>").
+The eval stage is not content-addressed: it runs every time and writes into the Hydra job directory.
+
+A stage that does not exist yet (no module, or its `run` raises NotImplementedError itself) stops the job
+with a message saying so and exit status 3, after the stages before it have run.
+
+Every job writes `<job dir>/result.json` (what ran, keys, reports; read by the multirun callback) and ends
+by printing where the artifacts, the job directory and the MLflow store are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from pipeline import stages, tracking
+from pipeline.callbacks import RESULT_FILE
+from pipeline.store import Artifact, Store, cache_key, git_commit
+
+log = logging.getLogger("pipeline")
+
+EXIT_NOT_BUILT = 3
+# conf/ sits beside the packages at the repository root (the package is installed editable, `pip install -e`).
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def outputs_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.paths.outputs).absolute()
+
+
+def stages_until(cfg: DictConfig) -> tuple[str, ...]:
+    """The stages this job runs: all of them, or up to and including `cfg.stage`."""
+    until = cfg.get("stage") or stages.ORDER[-1]
+    if until not in stages.ORDER:
+        raise ValueError(f"+stage={until}: unknown stage; choose one of {', '.join(stages.ORDER)}")
+    return stages.ORDER[: stages.ORDER.index(until) + 1]
+
+
+def config_subtrees(cfg: DictConfig, keys: tuple[str, ...]) -> dict:
+    """The resolved config subtrees that enter a stage's key (a missing key is an error, not skipped)."""
+    missing = [k for k in keys if k not in cfg]
+    if missing:
+        raise KeyError(f"config has no {missing} (a stage's CONFIG_KEYS must name top-level config groups)")
+    return {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k] for k in keys}
+
+
+def key_inputs(cfg: DictConfig, mod: ModuleType) -> dict:
+    """The config subtrees of a stage's CONFIG_KEYS, plus `_extra` from its optional `key_extra(cfg)` hook
+    (facts outside the config, e.g. a fingerprint of an input directory)."""
+    inputs = config_subtrees(cfg, tuple(mod.CONFIG_KEYS))
+    extra = mod.key_extra(cfg) if hasattr(mod, "key_extra") else None
+    if extra:
+        inputs["_extra"] = extra
+    return inputs
+
+
+def add_fingerprints(cfg: DictConfig, mods: dict[str, ModuleType]) -> None:
+    """Put `data.fingerprint` (a hash of the corpus contents) into the config when a stage keys on data."""
+    if any("data" in m.CONFIG_KEYS for m in mods.values()) and "fingerprint" not in cfg.data:
+        from pipeline import data
+
+        t0 = time.perf_counter()
+        fp = data.fingerprint(OmegaConf.to_container(cfg.data, resolve=True))
+        with open_dict(cfg):
+            cfg.data.fingerprint = fp
+        log.info("data fingerprint %s (%.1f s)", fp[:12], time.perf_counter() - t0)
+
+
+def plan_keys(cfg: DictConfig, mods: dict[str, ModuleType]) -> dict[str, str | None]:
+    """{stage: cache key} for the given stage modules in order (None for the eval stage)."""
+    keys: dict[str, str | None] = {}
+    for name, mod in mods.items():
+        if not stages.content_addressed(mod):
+            keys[name] = None
+            continue
+        upstream = {u: keys[u] for u in mod.UPSTREAM}
+        keys[name] = cache_key(name, mod.SCHEMA_VERSION, key_inputs(cfg, mod), upstream)
+    return keys
+
+
+def load_stages(names: tuple[str, ...], package: str) -> tuple[dict[str, ModuleType], stages.StageNotBuilt | None]:
+    """The importable stage modules in order, stopping at the first one not built (returned as the error)."""
+    mods = {}
+    for name in names:
+        try:
+            mods[name] = stages.load(name, package)
+        except stages.StageNotBuilt as e:
+            return mods, e
+    return mods, None
+
+
+def _raised_by(exc: BaseException, mod: ModuleType) -> bool:
+    """True when the innermost frame of the traceback is in the stage module itself."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve() == Path(mod.__file__).resolve()
+
+
+class Job:
+    """One Hydra job: runs the stages, tracks them, records the result."""
+
+    def __init__(self, cfg: DictConfig, job_dir: Path, *, job_num: int = 0, overrides: list[str] | None = None,
+                 sweep_dir: Path | None = None):
+        self.cfg = cfg
+        self.job_dir = Path(job_dir)
+        self.job_num = job_num
+        self.overrides = list(overrides or [])
+        self.sweep_dir = sweep_dir
+        self.outputs = outputs_dir(cfg)
+        self.store = Store(Path(cfg.paths.store).absolute())
+        self.tracker = tracking.open_tracker(cfg.tracking, self.outputs)
+        self.results: dict[str, dict] = {}
+        self.run_id: str | None = None
+
+    def run(self) -> dict:
+        """Run the stages; returns {stage: Artifact | report}. Raises StageNotBuilt after the built ones."""
+        names = stages_until(self.cfg)
+        mods, not_built = load_stages(names, self.cfg.stage_package)
+        add_fingerprints(self.cfg, mods)
+        keys = plan_keys(self.cfg, mods)
+        commit = git_commit(Path(__file__).parent)
+        parent = tracking.sweep_parent(self.tracker, self.sweep_dir) if self.sweep_dir else None
+        name = f"job {self.job_num}: {' '.join(self.overrides)}" if self.sweep_dir else \
+            "pipeline" + (f": {' '.join(self.overrides)}" if self.overrides else "")
+        params = tracking.flatten(OmegaConf.to_container(self.cfg, resolve=True))
+        tags = {"job_dir": str(self.job_dir), "git_commit": commit, "mlflow.source.git.commit": commit,
+                "mlflow.source.name": "python -m pipeline", "stages": ",".join(names)}
+        status = "failed"
+        try:
+            with self.tracker.run(name, parent=parent, tags=tags, params=params) as self.run_id:
+                artifacts: dict[str, Artifact] = {}
+                for stage_name, mod in mods.items():
+                    artifacts[stage_name] = self._run_stage(stage_name, mod, keys[stage_name], artifacts, commit)
+                if not_built is not None:
+                    raise not_built
+            status = "ok"
+            return artifacts
+        finally:
+            self._write_result(status)
+
+    def _run_stage(self, name: str, mod: ModuleType, key: str | None, artifacts: dict, commit: str):
+        upstream = {u: artifacts[u] for u in mod.UPSTREAM}
+        subtrees = key_inputs(self.cfg, mod)
+        upstream_keys = {u: a.key for u, a in upstream.items() if isinstance(a, Artifact)}
+        stage_tags = {"stage": name, "key": key or "", "git_commit": commit,
+                      **{f"upstream.{u}": k for u, k in upstream_keys.items()}}
+
+        def build(out: Path) -> dict:
+            log.info("running %s%s", name, f" {key}" if key else "")
+            t0 = time.perf_counter()
+            with self.tracker.run(name, parent=self.run_id, tags=stage_tags,
+                                  params=tracking.flatten(subtrees)) as stage_run:
+                with tracking.activate(self.tracker, stage_run):
+                    try:
+                        report = mod.run(self.cfg, upstream, out)
+                    except NotImplementedError as e:
+                        if _raised_by(e, mod):
+                            raise stages.StageNotBuilt(name, f"{mod.__name__}.run raised NotImplementedError") from e
+                        raise
+                report = dict(report or {})
+                report.setdefault("seconds", round(time.perf_counter() - t0, 2))
+                self.tracker.log_metrics(stage_run, tracking.numeric(report))
+            log.info("%s done in %.1f s", name, time.perf_counter() - t0)
+            return report
+
+        if key is None:
+            out = self.job_dir
+            report = build(out)
+            cached, result = False, report
+        else:
+            artifact, cached = self.store.get_or_build(
+                name, key, build, config=subtrees, upstream=upstream_keys, schema_version=mod.SCHEMA_VERSION)
+            out, report, result = artifact.path, artifact.report, artifact
+        self.results[name] = {"key": key, "cached": cached, "path": str(out), "report": report}
+        self.tracker.log_metrics(self.run_id, tracking.numeric(report, prefix=f"{name}."))
+        if key is None:  # the eval stage's numbers are the job's own: also under metrics.json's names
+            self.tracker.log_metrics(self.run_id, tracking.numeric(report))
+        self.tracker.set_tags(self.run_id, {f"{name}.key": key or "", f"{name}.cached": str(cached).lower()})
+        return result
+
+    def _write_result(self, status: str) -> None:
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        result = {"job_num": self.job_num, "overrides": self.overrides, "job_dir": str(self.job_dir),
+                  "status": status, "mlflow_run_id": self.run_id, "stages": self.results}
+        (self.job_dir / RESULT_FILE).write_text(json.dumps(result, indent=2, default=str))
+
+    def summary(self) -> str:
+        lines = ["", "artifacts:"]
+        for name, r in self.results.items():
+            what = "cached" if r["cached"] else ("ran" if r["key"] else "ran (job dir)")
+            lines.append(f"  {name:7} {what:13} {r['path']}")
+        lines.append(f"job dir: {self.job_dir}")
+        lines.append(f"store:   {self.store.root}   (python -m pipeline.store list|verify --root {self.store.root})")
+        if self.tracker.enabled:
+            lines.append(f"MLflow:  {self.tracker.uri}   (run {self.run_id})")
+            lines.append(f"  look at it with: {tracking.ui_command(self.tracker.uri)}")
+        else:
+            lines.append("MLflow:  off (tracking.enabled=false)")
+        return "\n".join(lines)
+
+
+def set_threads(cfg: DictConfig) -> None:
+    n = int(cfg.get("threads") or os.cpu_count() or 1)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
+    else:
+        os.environ["OMP_NUM_THREADS"] = str(n)  # read by torch when it is first imported
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    set_threads(cfg)
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    job = Job(cfg, Path(hc.runtime.output_dir), job_num=hc.job.num if multirun else 0,
+              overrides=list(hc.overrides.task), sweep_dir=Path(hc.sweep.dir) if multirun else None)
+    try:
+        job.run()
+    except stages.StageNotBuilt as e:
+        print(job.summary())
+        log.error("%s: stopping here. Stages run so far are listed above.", e)
+        sys.exit(EXIT_NOT_BUILT)
+    print(job.summary())

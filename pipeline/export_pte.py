@@ -1,0 +1,340 @@
+"""Lower one models.Speculator into ONE ExecuTorch program that serves every chain length K in [1, max_m-1].
+
+This is the upstream change in one sentence: target_verify is exported with a dynamic window T in
+[2, max_m] instead of a static T = K+1, so K is chosen by the runner at run time and a sweep over K never
+re-exports. No Hydra here: `export_pte(...)` is a plain function the export stage (and tests) call.
+
+The program (batch 1; ids int64, floats fp32; H = feature width = draft hidden, V = target vocab,
+Vd = draft vocab). Every method returns a list, in this order:
+
+    method          inputs                                            outputs                                       T range
+    prefill         tokens[1,T], input_pos[T]                         next_id[1,1], feature[1,T,H], logits[1,V]    [min_prefill_chunk, max_prefill_chunk]
+    target_verify   tokens[1,T], input_pos[T]                         ids[1,T], feature[1,T,H], logits[1,T,V]      [2, max_m]
+    target_decode   tokens[1,1], input_pos[1]                         ids[1,1], logits[1,1,V]                      1 (the K=0 baseline)
+    draft_decode    tokens[1,T], feature[1,T,H], input_pos[T]         ids[1,T] (TARGET vocab), g[1,T,H], logits[1,T,Vd]   [1, max(max_prefill_chunk, max_m)]
+
+Shared state. The methods are traced from thin wrapper modules that all hold the SAME Speculator under the
+same attribute name, so every KV-cache buffer has one fully qualified name in all four graphs. With
+`MemoryPlanningPass(share_mutable_buffers=True)` and `emit_mutable_buffer_names=True` each name is planned
+once for the whole program: prefill, target_verify and target_decode read and write one target cache,
+draft_decode owns the draft cache. State lives as long as the loaded program; a second
+`Runtime.load_program` starts from a fresh arena (zeros in the Python runtime; the causal mask hides
+every slot that was not written, and later writes overwrite rejected slots, so nothing needs a reset).
+
+Constant methods (no inputs; `execute([])` returns a one-element list):
+
+    get_max_m -> int                 largest verify window; the runner accepts K in [1, max_m-1]
+    get_chain_len -> int             the default K only (runtime.chain overrides it)
+    get_max_seq_len -> int           cache length of target and draft
+    get_vocab_size -> int            V
+    get_draft_vocab_size -> int      Vd
+    get_max_prefill_chunk -> int
+    get_min_prefill_chunk -> int     > max_m (see the dispatch rule below)
+    get_manifest_hash -> str         64 lowercase hex chars: sha256 tying the program to target, tokenizer,
+                                     draft, tap layers and d2t (computed by the export stage; opaque here)
+    get_d2t -> Tensor int64[Vd]      target_id = draft_id + d2t[draft_id]
+    get_hidden_size -> int           H (extra)
+    get_backend -> str               "portable" | "xnnpack" (extra)
+    get_quant -> str                 "none" | "int4" (extra)
+
+Bounds. The ExecuTorch runtime REJECTS a T above a method's exported maximum (set_inputs fails with error
+0x10) but ACCEPTS a T below its minimum; the runner enforces the lower bounds. input_pos is not
+range-checked inside the graph (no data-dependent guards): positions must stay below max_seq_len.
+
+Dispatch rule (`check_dispatch_windows`, written once): a kernel threshold t splits M into "M <= t" and
+"M > t" paths. No exported target T range may straddle one (lo <= t < hi), so every K resolves to the same
+kernel and the same numerics. On CPU the only threshold is MATVEC_MAX_M = max_m (DESIGN §5), which makes
+[2, max_m] fine by construction and requires min_prefill_chunk > max_m. draft_decode is exempt: its
+numerics change acceptance, never the output, and its range [1, max_prefill] must straddle.
+
+Backends: "portable" (no delegate) and "xnnpack" (XnnpackPartitioner; with quant="int4" torchao's
+8-bit dynamic activation / int4 grouped weight (8da4w) linears, lowered through
+XnnpackDynamicallyQuantizedPartitioner first, the recipe of ExecuTorch's llama export). Embeddings stay
+fp32. The report lists, per method, the ops left outside the delegate.
+
+Baked at export: weights, d2t, max_m, the T ranges and the metadata above. Not baked: K, sampling, stop
+tokens, the prompt. Out of scope here: CUDA/AOTInductor (needs the kernels' triton_ops with fake impls and
+ExecuTorch's CudaPartitioner), ExecuTorch's llama custom ops (update_cache / custom_sdpa).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import operator
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.export import Dim, export
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("portable", "xnnpack")
+QUANTS = ("none", "int4")
+TARGET_METHODS = ("prefill", "target_verify", "target_decode")
+METHODS = TARGET_METHODS + ("draft_decode",)
+
+
+# --- the dispatch rule ---------------------------------------------------------------------------------
+def dispatch_thresholds(backend: str, max_m: int) -> dict[str, int]:
+    """The M thresholds at which a backend's kernels change path (M <= t: small-M path)."""
+    return {"MATVEC_MAX_M (= max_m)": max_m}
+
+
+def check_dispatch_windows(windows: Mapping[str, tuple[int, int]], thresholds: Mapping[str, int]) -> None:
+    """Refuse any exported T range [lo, hi] that straddles a threshold t (lo <= t < hi), naming both."""
+    for name, (lo, hi) in windows.items():
+        for tname, t in thresholds.items():
+            if lo <= t < hi:
+                raise ValueError(
+                    f"{name} T range [{lo}, {hi}] straddles the dispatch threshold {tname} = {t}: rows "
+                    f"M <= {t} and M > {t} would take different kernels, so results would depend on T. "
+                    + ("Raise export.min_prefill_chunk above max_m." if name == "prefill" else
+                       "Pick max_m so that the range lies on one side of the threshold.")
+                )
+
+
+def check_export_args(*, max_m: int, chain_len: int, min_prefill_chunk: int, max_prefill_chunk: int,
+                      max_seq_len: int, backend: str, quant: str, group_size: int) -> None:
+    """Every refusal that does not need the model, raised before any tracing or lowering."""
+    if backend not in BACKENDS:
+        raise ValueError(f"export.backend={backend!r}: supported backends are {BACKENDS}")
+    if quant not in QUANTS:
+        raise ValueError(f"export.quant={quant!r}: supported are {QUANTS}")
+    if quant == "int4" and backend != "xnnpack":
+        raise ValueError(f"export.quant=int4 needs export=xnnpack (backend {backend!r} has no int4 linear kernels)")
+    if quant == "int4" and (group_size <= 0 or group_size % 2):
+        raise ValueError(f"export.group_size={group_size}: int4 groups must be a positive even size (e.g. 32)")
+    if not isinstance(max_m, int) or max_m < 2:
+        raise ValueError(f"export.max_m={max_m}: the verify window is T in [2, max_m] (K = T-1 >= 1), "
+                         f"so max_m must be an int >= 2")
+    if max_m > max_seq_len:
+        raise ValueError(f"export.max_m={max_m} is larger than the model's max_seq_len={max_seq_len} "
+                         f"(a verify window cannot exceed the KV cache)")
+    if not 1 <= chain_len <= max_m - 1:
+        raise ValueError(f"export.chain={chain_len}: the default K must lie in [1, max_m-1] = [1, {max_m - 1}]")
+    if not min_prefill_chunk <= max_prefill_chunk <= max_seq_len:
+        raise ValueError(f"prefill chunk range [{min_prefill_chunk}, {max_prefill_chunk}] must satisfy "
+                         f"min <= max <= max_seq_len={max_seq_len}")
+    check_dispatch_windows(
+        {"target_verify": (2, max_m), "prefill": (min_prefill_chunk, max_prefill_chunk),
+         "target_decode": (1, 1)},
+        dispatch_thresholds(backend, max_m),
+    )
+
+
+# --- one wrapper per method, all around the same Speculator ----------------------------------------
+class _TargetMethod(nn.Module):
+    def __init__(self, speculator: nn.Module, method: str):
+        super().__init__()
+        self.speculator = speculator  # same attribute name in every wrapper -> same buffer FQNs
+        self.method = method
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor):
+        return getattr(self.speculator, self.method)(tokens, input_pos)
+
+
+class _DraftDecode(nn.Module):
+    def __init__(self, speculator: nn.Module):
+        super().__init__()
+        self.speculator = speculator
+
+    def forward(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor):
+        return self.speculator.draft_decode(tokens, feature, input_pos)
+
+
+def _tokens(T: int):
+    return torch.zeros(1, T, dtype=torch.int64), torch.arange(T, dtype=torch.int64)
+
+
+def _dim(name: str, lo: int, hi: int):
+    return None if lo == hi else Dim(name, min=lo, max=hi)
+
+
+def _sample(lo: int, hi: int) -> int:
+    """A sample T inside [lo, hi] that torch.export will not specialise on (0 and 1 are special)."""
+    return hi if lo == hi else max(lo, 2)
+
+
+def method_specs(*, max_m: int, min_prefill_chunk: int, max_prefill_chunk: int, hidden: int) -> dict:
+    """{method: (wrapper factory, example args, dynamic_shapes, (T min, T max))}."""
+    t_draft = max(max_prefill_chunk, max_m)
+    specs = {}
+    for name, (lo, hi) in {"prefill": (min_prefill_chunk, max_prefill_chunk), "target_verify": (2, max_m),
+                           "target_decode": (1, 1)}.items():
+        d = _dim(f"T_{name}", lo, hi)
+        specs[name] = (lambda s, n=name: _TargetMethod(s, n), _tokens(_sample(lo, hi)),
+                       None if d is None else ({1: d}, {0: d}), (lo, hi))
+    T = _sample(1, t_draft)
+    d = _dim("T_draft_decode", 1, t_draft)
+    tokens, pos = _tokens(T)
+    specs["draft_decode"] = (_DraftDecode, (tokens, torch.zeros(1, T, hidden), pos),
+                             ({1: d}, {1: d}, {0: d}), (1, t_draft))
+    return specs
+
+
+# --- quantization --------------------------------------------------------------------------------------
+def quantize_int4(speculator: nn.Module, group_size: int) -> list[str]:
+    """8da4w in place: int8 dynamic per-token activations, int4 weights in groups of `group_size`.
+
+    Every nn.Linear whose in_features is a multiple of group_size (target and draft); embeddings stay fp32.
+    Returns the names of the linears left in fp32.
+    """
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+
+    skipped = [n for n, m in speculator.named_modules()
+               if isinstance(m, nn.Linear) and m.in_features % group_size]
+    quantize_(speculator,
+              Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size)),
+              filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and m.in_features % group_size == 0)
+    return skipped
+
+
+# --- lowering --------------------------------------------------------------------------------------
+def _partitioners(backend: str, quant: str) -> list:
+    if backend == "portable":
+        return []
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+        XnnpackDynamicallyQuantizedPartitioner,
+        XnnpackPartitioner,
+    )
+
+    # Order matters (ExecuTorch's llama recipe): dynamically quantized linears first, then the rest.
+    return ([XnnpackDynamicallyQuantizedPartitioner()] if quant == "int4" else []) + [XnnpackPartitioner()]
+
+
+def _op_name(target) -> str:
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+
+
+def graph_ops(program) -> tuple[int, dict[str, int]]:
+    """(number of delegate calls, {op: count} of ops that run outside any delegate) of a lowered method."""
+    delegates, outside = 0, collections.Counter()
+    for node in program.graph_module.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        name = _op_name(node.target)
+        if "executorch_call_delegate" in name:
+            delegates += 1
+        elif name not in ("aten.sym_size.int", "sym_size.int"):
+            outside[name] += 1
+    return delegates, dict(sorted(outside.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+@contextlib.contextmanager
+def _tracing_mode(speculator: nn.Module):
+    """The draft's eager-only cache guard (gaps) is data dependent: off while tracing, restored after."""
+    draft = speculator.draft
+    saved = getattr(draft, "check_gaps", None)
+    draft.check_gaps = False
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        if saved is not None:
+            draft.check_gaps = saved
+
+
+def export_pte(speculator: nn.Module, *, max_m: int, chain_len: int, max_prefill_chunk: int,
+               min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "none", group_size: int = 32,
+               out_path: Path | str, manifest_hash: str, progress: bool = True) -> dict:
+    """Lower `speculator` (a models.Speculator) into one .pte at `out_path`; return a JSON-able report.
+
+    quant="int4" quantizes `speculator` IN PLACE (the stage loads a fresh one; copy first to keep fp32).
+    Every argument is checked before tracing starts (ValueError with the offending value).
+    """
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.program._program import EdgeProgramManager
+
+    target, draft = speculator.target, speculator.draft
+    max_seq_len = target.cfg.max_seq_len
+    check_export_args(max_m=max_m, chain_len=chain_len, min_prefill_chunk=min_prefill_chunk,
+                      max_prefill_chunk=max_prefill_chunk, max_seq_len=max_seq_len, backend=backend,
+                      quant=quant, group_size=group_size)
+    if draft.cfg.max_seq_len < max_seq_len:
+        raise ValueError(f"draft cache max_seq_len={draft.cfg.max_seq_len} < target max_seq_len={max_seq_len}: "
+                         f"draft_decode would run past its cache; load the draft with the target's max_seq_len")
+    if not (isinstance(manifest_hash, str) and len(manifest_hash) == 64
+            and all(c in "0123456789abcdef" for c in manifest_hash)):
+        raise ValueError(f"manifest_hash must be 64 lowercase hex chars (a sha256), got {manifest_hash!r}")
+
+    t_start = time.perf_counter()
+    report: dict = {"backend": backend, "quant": quant, "max_m": max_m, "chain_len": chain_len,
+                    "min_prefill_chunk": min_prefill_chunk, "max_prefill_chunk": max_prefill_chunk,
+                    "max_seq_len": max_seq_len, "manifest_hash": manifest_hash}
+    speculator.eval()
+    if quant == "int4":
+        report["group_size"] = group_size
+        report["fp32_linears"] = quantize_int4(speculator, group_size)
+        log.info("int4 (8da4w, group %d) applied; linears left fp32: %s", group_size, report["fp32_linears"] or "none")
+
+    specs = method_specs(max_m=max_m, min_prefill_chunk=min_prefill_chunk, max_prefill_chunk=max_prefill_chunk,
+                         hidden=draft.cfg.hidden_size)
+    report["t_range"] = {name: list(spec[3]) for name, spec in specs.items()}
+    compile_config = EdgeCompileConfig(_check_ir_validity=False)
+    exported, lowered, timings = {}, {}, {}
+    bar = tqdm(total=2 * len(specs), desc=f"export {backend}/{quant}", disable=not progress, leave=False)
+    with _tracing_mode(speculator):
+        for name, (wrap, args, dynamic_shapes, (lo, hi)) in specs.items():
+            bar.set_postfix_str(f"torch.export {name}")
+            t0 = time.perf_counter()
+            exported[name] = export(wrap(speculator), args, dynamic_shapes=dynamic_shapes, strict=False)
+            timings[f"export_{name}_s"] = time.perf_counter() - t0
+            log.info("torch.export %s (T in [%d, %d]): %.1f s", name, lo, hi, timings[f"export_{name}_s"])
+            bar.update()
+    # One method at a time, so progress and the per-method op census are visible; the edge programs are
+    # then joined into one manager, whose to_executorch plans the shared buffers across all of them.
+    partitioners = _partitioners(backend, quant)
+    for name, ep in exported.items():
+        bar.set_postfix_str(f"lower {name}")
+        t0 = time.perf_counter()
+        lowered[name] = to_edge_transform_and_lower(
+            {name: ep}, partitioner={name: partitioners} if partitioners else None,
+            compile_config=compile_config).exported_program(name)
+        timings[f"lower_{name}_s"] = time.perf_counter() - t0
+        delegates, outside = graph_ops(lowered[name])
+        report.setdefault("delegate_calls", {})[name] = delegates
+        report.setdefault("ops_outside_delegate", {})[name] = outside
+        log.info("lowered %s: %.1f s, %d delegate calls, %d ops outside the delegate: %s", name,
+                 timings[f"lower_{name}_s"], delegates, sum(outside.values()),
+                 ", ".join(f"{op} x{n}" for op, n in outside.items()) or "none")
+        bar.update()
+    bar.close()
+    del exported
+
+    constant_methods = {
+        "get_max_m": max_m,
+        "get_chain_len": chain_len,
+        "get_max_seq_len": max_seq_len,
+        "get_vocab_size": target.cfg.vocab_size,
+        "get_draft_vocab_size": draft.cfg.draft_vocab_size,
+        "get_max_prefill_chunk": max_prefill_chunk,
+        "get_min_prefill_chunk": min_prefill_chunk,
+        "get_manifest_hash": manifest_hash,
+        "get_d2t": draft.d2t.detach().to(torch.int64).clone(),
+        "get_hidden_size": draft.cfg.hidden_size,
+        "get_backend": backend,
+        "get_quant": quant,
+    }
+    t0 = time.perf_counter()
+    edge = EdgeProgramManager(lowered, constant_methods=constant_methods, compile_config=compile_config)
+    program = edge.to_executorch(ExecutorchBackendConfig(
+        emit_mutable_buffer_names=True,
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=True),
+    ))
+    timings["to_executorch_s"] = time.perf_counter() - t0
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_bytes(program.buffer)
+    timings["total_s"] = time.perf_counter() - t_start
+    report["timings"] = {k: round(v, 2) for k, v in timings.items()}
+    report["pte_bytes"] = out_path.stat().st_size
+    log.info("wrote %s (%.2f MB) in %.1f s", out_path, report["pte_bytes"] / 1e6, timings["total_s"])
+    return report

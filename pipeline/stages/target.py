@@ -1,0 +1,239 @@
+"""The target stage: the model every later stage speculates for.
+
+Artifact (one format for both choices, read with `models.load_target(artifact.path)`):
+    tokenizer.json      the tokenizer (`tokenizers.Tokenizer.from_file`)
+    config.json         models.TargetConfig.to_dict()
+    model.safetensors   Transformer.state_dict() without caches
+
+`target=tiny` (default) trains the embedded default target from scratch on the train split of `data`:
+a byte-level BPE tokenizer first (pipeline.data), then a Llama-family Transformer (models/) on random
+windows of the token stream with AdamW, linear warmup and cosine decay. Batches are drawn from a
+generator seeded by (seed, step), so a run resumed from its checkpoint (every `checkpoint_every_s`, in the
+stage's scratch dir) takes exactly the steps an uninterrupted one would. Held-out loss is measured on
+fixed, evenly spaced windows of the held-out split.
+
+`target=hf target.path=DIR` loads a local Hugging Face checkpoint with models.load_hf_target (which
+validates it) and stores it converted to the format above: later stages never need to know where a
+target came from, at the price of one copy of the weights. The key includes the names, sizes and
+modification times of the files in DIR, so a checkpoint changed in place is converted again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import data, tracking
+from pipeline.store import scratch_dir
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+UPSTREAM = ()
+CONFIG_KEYS = ("target", "data", "seed")
+CHECKPOINT = "train_state.pt"
+
+
+def key_extra(cfg: DictConfig) -> dict:
+    """What the key needs beyond the config: for target=hf, a stat fingerprint of the checkpoint dir."""
+    if cfg.target.kind != "hf" or not Path(cfg.target.path).is_dir():
+        return {}
+    h = hashlib.sha256()
+    for p in sorted(Path(cfg.target.path).rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.relative_to(cfg.target.path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return {"hf_files": h.hexdigest()}
+
+
+def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
+    kind = cfg.target.kind
+    if kind == "tiny":
+        return train(cfg, out)
+    if kind == "hf":
+        return convert_hf(cfg.target, out)
+    raise ValueError(f"target.kind must be 'tiny' or 'hf', got {kind!r}")
+
+
+# --- target=hf ---------------------------------------------------------------------------------------
+def convert_hf(tc: DictConfig, out: Path) -> dict:
+    from models import load_hf_target, save_target
+
+    path = Path(tc.path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"target=hf: target.path={str(path)!r} is not a directory")
+    taps = tc.get("tap_layers")
+    try:
+        model, tokenizer = load_hf_target(path, max_seq_len=tc.get("max_seq_len"),
+                                          tap_layers=None if taps is None else tuple(taps))
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"target=hf: {path} is not a usable Hugging Face checkpoint: {e}") from e
+    if tokenizer is None:
+        raise FileNotFoundError(f"target=hf: {path} has no tokenizer.json (the pipeline needs a fast tokenizer)")
+    save_target(model, out, tokenizer_path=tokenizer)
+    return {"source": str(path.absolute()), "params": sum(p.numel() for p in model.parameters()),
+            "n_layers": model.cfg.n_layers, "hidden_size": model.cfg.hidden_size,
+            "vocab_size": model.cfg.vocab_size}
+
+
+# --- target=tiny ---------------------------------------------------------------------------------------
+def init_weights(model, std: float = 0.02) -> None:
+    """GPT-2/Llama-style init for training from scratch: N(0, std) weights, zero biases, and the residual
+    output projections (o_proj, down_proj) scaled by 1/sqrt(2L) so the residual stream starts small."""
+    n_layers = len(model.layers)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.zeros_(p)
+        elif p.dim() >= 2:
+            scale = 1 / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            torch.nn.init.normal_(p, mean=0.0, std=std * scale)
+
+
+def lr_at(step: int, t: DictConfig) -> float:
+    """Linear warmup to t.lr over t.warmup steps, then cosine decay to t.min_lr at t.steps."""
+    if step < t.warmup:
+        return t.lr * (step + 1) / t.warmup
+    progress = min(1.0, (step - t.warmup) / max(1, t.steps - t.warmup))
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def batch_at(stream: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int):
+    """(inputs, targets) [B, T] of random windows; the same (seed, step) always gives the same batch."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=g)
+    windows = torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()]).long()
+    return windows[:, :-1], windows[:, 1:]
+
+
+def held_out_windows(stream: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
+    """n evenly spaced windows of seq_len + 1 tokens (shorter when the held-out split is short)."""
+    seq_len = min(seq_len, len(stream) - 1)
+    starts = np.linspace(0, len(stream) - seq_len - 1, n).astype(int)
+    return torch.stack([stream[s : s + seq_len + 1] for s in starts]).long()
+
+
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, batch_size: int, device) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        w = windows[i : i + batch_size].to(device)
+        logits = model(w[:, :-1])
+        total += F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten(), reduction="sum").item()
+        count += w[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+def train(cfg: DictConfig, out: Path) -> dict:
+    from models import TargetConfig, Transformer, save_target
+
+    tc, t = cfg.target, cfg.target.train
+    device = torch.device(cfg.device)
+    scratch = scratch_dir()
+    t0 = time.perf_counter()
+
+    docs = data.documents(OmegaConf.to_container(cfg.data, resolve=True))
+    train_texts, held_texts = data.split(docs, "train"), data.split(docs, "held_out")
+    tokenizer = data.train_tokenizer(train_texts, tc.tokenizer.vocab_size, tc.tokenizer.get("train_bytes"))
+    tokenizer.save(str(out / "tokenizer.json"))
+    train_stream = torch.from_numpy(data.encode(tokenizer, train_texts))
+    held_stream = torch.from_numpy(data.encode(tokenizer, held_texts))
+    if len(train_stream) < t.seq_len + 2:
+        raise ValueError(f"the train split has {len(train_stream)} tokens, fewer than one window of "
+                         f"target.train.seq_len={t.seq_len}: use more data")
+    log.info("corpus: %d train docs (%d tokens), %d held-out docs (%d tokens); tokenizer %d tokens (%.1f s)",
+             len(train_texts), len(train_stream), len(held_texts), len(held_stream),
+             tokenizer.get_vocab_size(), time.perf_counter() - t0)
+
+    model_cfg = TargetConfig(**OmegaConf.to_container(tc.model, resolve=True))
+    if model_cfg.vocab_size < tokenizer.get_vocab_size():
+        raise ValueError(f"target.model.vocab_size={model_cfg.vocab_size} < tokenizer size {tokenizer.get_vocab_size()}")
+    torch.manual_seed(cfg.seed)
+    model = Transformer(model_cfg)
+    init_weights(model)
+    model = model.to(device).train()
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=t.lr, betas=tuple(t.betas))
+
+    start = 0
+    ckpt = scratch / CHECKPOINT
+    if ckpt.is_file():
+        state = torch.load(ckpt, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = int(state["step"])
+        log.info("resuming target training at step %d from %s", start, ckpt)
+
+    held = held_out_windows(held_stream, t.eval_batches * t.batch_size, t.seq_len) if len(held_stream) > 1 else None
+    held_loss = float("nan")
+    last_save, tokens_done, train_t0 = time.perf_counter(), 0, time.perf_counter()
+    loss_ema = None
+    from tqdm import tqdm
+
+    bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="target", mininterval=2.0,
+               dynamic_ncols=True)
+    for step in bar:
+        lr = lr_at(step, t)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = batch_at(train_stream, step, t.batch_size, t.seq_len, cfg.seed)
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        tokens_done += x.numel()
+        loss_value = loss.item()
+        loss_ema = loss_value if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_value
+        bar.set_postfix(loss=f"{loss_ema:.3f}", held=f"{held_loss:.3f}")
+        done = step + 1
+        if done % t.log_every == 0 or done == t.steps:
+            tracking.log_metrics({"loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                                  "tokens_per_s": tokens_done / (time.perf_counter() - train_t0)}, step=done)
+        if held is not None and (done % t.eval_every == 0 or done == t.steps):
+            held_loss = evaluate(model, held, t.batch_size, device)
+            tracking.log_metrics({"held_out_loss": held_loss}, step=done)
+        if time.perf_counter() - last_save > t.checkpoint_every_s and done < t.steps:
+            tmp = scratch / (CHECKPOINT + ".tmp")
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": done}, tmp)
+            os.replace(tmp, ckpt)
+            last_save = time.perf_counter()
+    bar.close()
+    train_seconds = time.perf_counter() - train_t0
+
+    model = model.cpu().eval()
+    save_target(model, out)
+    report = {
+        "params": n_params,
+        "n_layers": model_cfg.n_layers,
+        "hidden_size": model_cfg.hidden_size,
+        "vocab_size": model_cfg.vocab_size,
+        "tokenizer_vocab_size": tokenizer.get_vocab_size(),
+        "train_tokens": int(len(train_stream)),
+        "held_out_tokens": int(len(held_stream)),
+        "steps": int(t.steps),
+        "resumed_at": start,
+        "loss": loss_ema,
+        "held_out_loss": held_loss,
+        "tokens_per_s": tokens_done / train_seconds if train_seconds > 0 else float("nan"),
+        "train_seconds": round(train_seconds, 1),
+    }
+    log.info("target: %s params, loss %.3f, held-out loss %.3f, %.0f tokens/s", f"{n_params:,}", loss_ema or 0,
+             held_loss, report["tokens_per_s"])
+    return report

@@ -1,0 +1,81 @@
+"""`python -m runner`: text from a .pte, for people who have one and want to see it speculate.
+
+    python -m runner --pte model.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4
+    python -m runner --pte model.pte --tokenizer tokenizer.json --prompt-file prompts.txt --chain 0
+
+Prints each generation, then tau, decode tokens/s and the per-round timings. `--chain` defaults to the
+.pte's own get_chain_len; 0 is plain greedy decoding through the same file. (The pipeline's eval stage
+does the same from Hydra config, with the lossless check and MLflow.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from runner.engine import PteEngine
+from runner.generate import generate
+from runner.text import read_prompt_file, stop_ids
+
+
+def report(res, tokenizer) -> str:
+    lines = [tokenizer.decode(res.output_ids), "", f"--- chain K={res.chain}  stop: {res.stop_reason}"]
+    lines.append(f"tokens {len(res.output_ids)}  rounds {res.rounds}  tau {res.tau:.2f}  "
+                 f"acceptance {res.acceptance_rate:.2f}  decode {res.tokens_per_s:.1f} tokens/s")
+    if res.rounds:
+        lines.append(f"prefill {res.prefill_ms:.1f} ms  per round: verify {res.verify_ms / res.rounds:.2f} ms, "
+                     f"draft {res.draft_ms / res.rounds:.2f} ms, total {res.decode_ms / res.rounds:.2f} ms")
+    return "\n".join(lines)
+
+
+def round_table(res) -> str:
+    rows = ["round   K   a  emitted  verify_ms  draft_ms"]
+    for i, (k, a, n, v, d) in enumerate(zip(res.chains, res.accepted, res.emitted, res.round_verify_ms,
+                                            res.round_draft_ms)):
+        rows.append(f"{i:5d} {k:3d} {a:3d} {n:8d} {v:10.2f} {d:9.2f}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runner", description=__doc__.split("\n")[0])
+    p.add_argument("--pte", required=True, type=Path)
+    p.add_argument("--tokenizer", required=True, type=Path, help="tokenizer.json (the target stage's)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file", type=Path, help="one prompt per line, or .jsonl with a 'prompt' field")
+    p.add_argument("--chain", type=int, default=None, help="K in [1, max_m-1]; 0 = greedy baseline; "
+                   "default: the .pte's get_chain_len")
+    p.add_argument("--policy", choices=("static", "adaptive"), default="static")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", nargs="*", default=[], help="extra stop tokens (strings or ids)")
+    p.add_argument("--rounds", action="store_true", help="print K, accepted, emitted and timings of every round")
+    args = p.parse_args(argv)
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(args.tokenizer))
+    engine = PteEngine(args.pte)
+    prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
+    stops = stop_ids(tokenizer, args.stop)
+    for text in prompts:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        res = generate(engine, ids, chain=args.chain, max_new_tokens=args.max_new_tokens, stop_ids=stops,
+                       temperature=args.temperature, seed=args.seed, policy=args.policy)
+        print(text + report(res, tokenizer))
+        if args.rounds:
+            print(round_table(res))
+        elif args.policy == "adaptive":
+            print(f"K per round: {res.chains}")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as e:  # refusals (K out of range, prompt too long) read as one line
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

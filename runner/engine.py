@@ -1,0 +1,161 @@
+"""The engine interface the speculative loop is written against, and its two implementations.
+
+An engine exposes the methods of the exported program (DESIGN.md §4) under the same names:
+
+    prefill(tokens[1,T], input_pos[T])              -> (next_id [1,1], feature [1,T,H], logits [1,V])
+    target_verify(tokens[1,T], input_pos[T])        -> (ids [1,T], feature [1,T,H], logits [1,T,V])
+    target_decode(tokens[1,1], input_pos[1])        -> (ids [1,1], logits [1,1,V])
+    draft_decode(tokens[1,T], feature[1,T,H], input_pos[T]) -> (ids [1,T] target vocab, g [1,T,H], logits [1,T,Vd])
+
+prefill and target_verify share the target KV cache; target_decode uses it too; draft_decode owns the draft cache.
+Every method writes its K/V at `input_pos` and attends to `key_pos <= query_pos`, so a caller never rolls
+back: a later call at the same positions overwrites stale slots, and slots beyond the query are masked.
+
+`meta` holds what the loop needs to pick and check its windows: max_m (largest verify window), chain_len
+(default K), max_seq_len, vocab_size, draft_vocab_size, max_prefill_chunk, min_prefill_chunk (the exported
+prefill range), sliding_window (smallest window of any layer, or None), manifest_hash, d2t (LongTensor[Vd]).
+
+- `PteEngine`: a .pte through `executorch.runtime` (what ships). The runtime accepts T below a method's
+  exported minimum without complaint, so the loop (runner.generate) enforces the bounds itself.
+- `EagerEngine`: `models.Speculator` in PyTorch on CPU or CUDA (the same module the .pte was traced from).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Protocol
+
+import torch
+
+CONSTANT_METHODS = {
+    "max_m": "get_max_m",
+    "chain_len": "get_chain_len",
+    "max_seq_len": "get_max_seq_len",
+    "vocab_size": "get_vocab_size",
+    "draft_vocab_size": "get_draft_vocab_size",
+    "max_prefill_chunk": "get_max_prefill_chunk",
+    "min_prefill_chunk": "get_min_prefill_chunk",
+}
+PROGRAM_METHODS = ("prefill", "target_verify", "target_decode", "draft_decode")
+
+
+class Engine(Protocol):
+    meta: dict
+
+    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor): ...
+    def target_verify(self, tokens: torch.Tensor, input_pos: torch.Tensor): ...
+    def target_decode(self, tokens: torch.Tensor, input_pos: torch.Tensor): ...
+    def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor): ...
+    def reset(self) -> None: ...
+
+
+def _scalar(value):
+    """A constant method's output as a Python int (a 0-d/1-element tensor, or an int)."""
+    if isinstance(value, torch.Tensor):
+        return int(value.reshape(-1)[0].item())
+    return int(value)
+
+
+def _manifest_hash(outputs) -> str:
+    """get_manifest_hash returns a string, or int64 words of the hash's first bytes; normalise to hex text."""
+    value = outputs[0] if len(outputs) == 1 else list(outputs)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return value.decode()
+    words = value.reshape(-1).tolist() if isinstance(value, torch.Tensor) else [int(v) for v in value]
+    return "".join(f"{w & 0xFFFFFFFFFFFFFFFF:016x}" for w in words)
+
+
+class PteEngine:
+    """One loaded ExecuTorch program. Its methods share the mutable KV caches, so one PteEngine serves any
+    number of generations in sequence: every generation rewrites the cache from position 0."""
+
+    def __init__(self, path: str | pathlib.Path):
+        from executorch.runtime import Runtime
+
+        self.path = pathlib.Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no .pte at {self.path}")
+        ptd = self.path.with_suffix(".ptd")
+        self.program = Runtime.get().load_program(
+            self.path, data_path=ptd if ptd.is_file() else None
+        )
+        names = self.program.method_names
+        missing = [m for m in (*PROGRAM_METHODS, *CONSTANT_METHODS.values(), "get_manifest_hash", "get_d2t")
+                   if m not in names]
+        if missing:
+            raise ValueError(f"{self.path} lacks the methods {missing} (it has {sorted(names)}); "
+                             f"re-export it with the export stage")
+        self._methods = {name: self.program.load_method(name) for name in PROGRAM_METHODS}
+        self.meta = {key: _scalar(self._constant(method)[0]) for key, method in CONSTANT_METHODS.items()}
+        self.meta["manifest_hash"] = _manifest_hash(self._constant("get_manifest_hash"))
+        self.meta["d2t"] = self._constant("get_d2t")[0].to(torch.long).clone()
+        window = self._constant("get_sliding_window")[0] if "get_sliding_window" in names else None
+        self.meta["sliding_window"] = (_scalar(window) or None) if window is not None else None
+
+    def _constant(self, name: str):
+        return self.program.load_method(name).execute([])
+
+    def _run(self, name: str, *inputs):
+        return tuple(out.clone() for out in self._methods[name].execute(list(inputs)))
+
+    def prefill(self, tokens, input_pos):
+        return self._run("prefill", tokens, input_pos)
+
+    def target_verify(self, tokens, input_pos):
+        return self._run("target_verify", tokens, input_pos)
+
+    def target_decode(self, tokens, input_pos):
+        return self._run("target_decode", tokens, input_pos)
+
+    def draft_decode(self, tokens, feature, input_pos):
+        return self._run("draft_decode", tokens, feature, input_pos)
+
+    def reset(self) -> None:
+        """Nothing to do: the loop writes every position it attends to, from 0, before reading it, and the mask
+        hides slots beyond the query. (A fresh cache would need a second load_program.)"""
+
+
+class EagerEngine:
+    """`models.Speculator` run eagerly on `device` (CPU, or CUDA where the kernels plug in). Inputs and
+    outputs are CPU tensors, like the .pte's. The prefill/verify bounds default to the export stage's."""
+
+    def __init__(self, speculator, *, max_m: int, chain_len: int, max_prefill_chunk: int,
+                 min_prefill_chunk: int = 1, device: str | torch.device = "cpu", manifest_hash: str = ""):
+        self.device = torch.device(device)
+        self.spec = speculator.to(self.device).eval()
+        target_cfg = speculator.target.cfg
+        windows = [w for w in (target_cfg.sliding_window or []) if w]
+        self.meta = {
+            "max_m": max_m,
+            "chain_len": chain_len,
+            "max_seq_len": target_cfg.max_seq_len,
+            "vocab_size": target_cfg.vocab_size,
+            "draft_vocab_size": int(speculator.draft.d2t.numel()),
+            "max_prefill_chunk": max_prefill_chunk,
+            "min_prefill_chunk": min_prefill_chunk,
+            "sliding_window": min(windows) if windows else None,
+            "manifest_hash": manifest_hash,
+            "d2t": speculator.draft.d2t.detach().to("cpu", torch.long).clone(),
+        }
+
+    @torch.no_grad()
+    def _run(self, fn, *inputs):
+        outputs = fn(*(x.to(self.device) for x in inputs))
+        return tuple(out.to("cpu") for out in outputs)
+
+    def prefill(self, tokens, input_pos):
+        return self._run(self.spec.prefill, tokens, input_pos)
+
+    def target_verify(self, tokens, input_pos):
+        return self._run(self.spec.target_verify, tokens, input_pos)
+
+    def target_decode(self, tokens, input_pos):
+        return self._run(self.spec.target_decode, tokens, input_pos)
+
+    def draft_decode(self, tokens, feature, input_pos):
+        return self._run(self.spec.draft_decode, tokens, feature, input_pos)
+
+    def reset(self) -> None:
+        self.spec.reset()

@@ -1,0 +1,457 @@
+"""EAGLE-3 speculative decoding with a run-time chain length K, written against `runner.engine.Engine`.
+
+The shifted scheme (DESIGN.md §4): one target forward per round. The anchor is the newest confirmed token;
+it is not yet in the target KV cache and is re-fed as row 0 of the next verify window.
+
+    prompt: chunked prefill -> bonus (emitted), features F[0:L]; anchor = bonus; P = L
+            seed the draft with (prompt[1:] + [bonus], F[0:L]) at 0..L-1 -> first proposal, then K-1 steps
+    round:  vids, Fv = target_verify([anchor] + props, P..P+K)
+            a = leading run where props[j] == vids[j];  new = props[:a] + [vids[a]]  (vids[K]: the free bonus)
+            emit(new); reseed the draft with (new, Fv[:a+1]) at P..P+a, then K-1 single steps feeding back g
+            anchor = vids[a]; P += a + 1
+
+Draft position i pairs token x[i+1] with the feature of target position i and predicts x[i+2]. Rejected
+slots are never rolled back: the next verify window starts at P+a+1 and overwrites them, and the causal
+mask hides them until then. Reseeding replaces the draft's speculative (g-fed) cache entries with
+target-derived ones.
+
+K = 0 is plain greedy (or sampled) decoding through target_decode, the baseline every speedup is measured
+against. At temperature > 0 proposals are sampled from the draft and verified by rejection sampling, so the
+output is distributed exactly as the target's own samples.
+
+Not here: batching, tree drafts, a prefix cache shared across prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What a generation returns
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int]  # emitted tokens, the prefill bonus first
+    chain: int  # K asked for (0 = target-only baseline)
+    chains: list[int] = field(default_factory=list)  # K used in each round (budget/cache may shrink it)
+    accepted: list[int] = field(default_factory=list)  # accepted proposals a in each round
+    emitted: list[int] = field(default_factory=list)  # tokens emitted in each round (a+1 unless stopped)
+    round_verify_ms: list[float] = field(default_factory=list)  # the target forward of each round
+    round_draft_ms: list[float] = field(default_factory=list)  # the draft forwards of each round (K calls)
+    prefill_ms: float = 0.0  # target prefill + draft seeding
+    decode_ms: float = 0.0  # wall time of the rounds
+    stop_reason: str = ""  # "stop_token" | "budget" | "cache_full"
+
+    @property
+    def rounds(self) -> int:
+        return len(self.chains)
+
+    @property
+    def verify_ms(self) -> float:
+        return sum(self.round_verify_ms)
+
+    @property
+    def draft_ms(self) -> float:
+        return sum(self.round_draft_ms)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per round, excluding the prefill bonus."""
+        return sum(self.emitted) / self.rounds if self.rounds else 0.0
+
+    @property
+    def drafted(self) -> int:
+        return sum(self.chains)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return sum(self.accepted) / self.drafted if self.drafted else 0.0
+
+    def position_counts(self, n: int) -> tuple[list[int], list[int]]:
+        """(accepted at position i, rounds reaching position i) for i < n. A round reaches i when its
+        first i proposals were accepted and it drafted more than i."""
+        acc = [sum(1 for k, a in zip(self.chains, self.accepted) if k > i and a > i) for i in range(n)]
+        reach = [sum(1 for k, a in zip(self.chains, self.accepted) if k > i and a >= i) for i in range(n)]
+        return acc, reach
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(len(self.output_ids) - 1, 0)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput after prefill (the prefill bonus excluded)."""
+        return self.decode_tokens / (self.decode_ms / 1e3) if self.decode_ms > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks: the .pte's bounds are enforced here (the runtime silently accepts T below a method's minimum)
+
+
+def resolve_chain(meta: dict, chain: int | None) -> int:
+    """K from runtime.chain: None -> the .pte's default, 0 -> baseline, else must lie in [1, max_m-1]."""
+    k = meta["chain_len"] if chain is None else int(chain)
+    if k == 0:
+        return 0
+    if not 1 <= k <= meta["max_m"] - 1:
+        raise ValueError(
+            f"chain K={k} is outside the valid range [1, {meta['max_m'] - 1}] of this .pte "
+            f"(max_m={meta['max_m']}: target_verify takes K+1 <= max_m rows); use chain=0 for the greedy baseline"
+        )
+    return k
+
+
+def check_prompt(meta: dict, prompt: list[int]) -> None:
+    if not prompt:
+        raise ValueError("empty prompt: at least one token is needed")
+    if len(prompt) >= meta["max_seq_len"]:
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens is too long for max_seq_len={meta['max_seq_len']} of this .pte "
+            f"(at most {meta['max_seq_len'] - 1} prompt tokens leave room to generate)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampling: greedy at temperature 0, otherwise seeded draws
+
+
+class Sampler:
+    def __init__(self, temperature: float, seed: int):
+        self.temperature = float(temperature)
+        self.greedy = self.temperature <= 0.0
+        self.gen = torch.Generator().manual_seed(int(seed))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        z = logits.double() / self.temperature
+        z = (z - z.amax(-1, keepdim=True)).exp()  # (torch.softmax is slower on tiny inputs here)
+        return z / z.sum(-1, keepdim=True)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+    def coin(self) -> float:
+        return float(torch.rand((), generator=self.gen, dtype=torch.float64))
+
+    def next_token(self, greedy_id: int, logits: torch.Tensor) -> int:
+        return greedy_id if self.greedy else self.draw(self.probs(logits))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Emission: stop tokens and the token budget
+
+
+class Emitter:
+    def __init__(self, max_new_tokens: int, stop_ids):
+        self.budget = int(max_new_tokens)
+        self.stop_ids = set(int(s) for s in stop_ids)
+        self.ids: list[int] = []
+        self.stop_reason = "budget" if self.budget <= 0 else ""
+
+    @property
+    def done(self) -> bool:
+        return bool(self.stop_reason)
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.ids)
+
+    def emit(self, tokens: list[int]) -> int:
+        """Append tokens up to the first stop token (kept) or the budget; returns how many were emitted."""
+        n = 0
+        for tok in tokens:
+            if self.done:
+                break
+            self.ids.append(tok)
+            n += 1
+            if tok in self.stop_ids:
+                self.stop_reason = "stop_token"
+            elif self.remaining <= 0:
+                self.stop_reason = "budget"
+        return n
+
+
+def _t(ids: list[int]) -> torch.Tensor:
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def _pos(start: int, n: int) -> torch.Tensor:
+    return torch.arange(start, start + n, dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prefill: the prompt in chunks <= max_prefill (and <= the sliding window); a piece shorter than the exported
+# minimum goes through target_verify windows (T in [2, max_m]) instead.
+
+
+@dataclass
+class Prefilled:
+    next_id: int  # greedy token after the prompt
+    logits: torch.Tensor  # [V] at the last prompt position
+    features: torch.Tensor | None  # [L, H] fc(taps) at every prompt position (None if not asked for)
+
+
+def prefill_windows(meta: dict, n: int) -> list[tuple[str, int, int]]:
+    """The calls that cover positions [0, n): (method, start, length), lengths within each method's range.
+    A verify window of one token reaches back one position (rewriting that slot with the same K/V); a
+    one-token prompt is padded to two (the padded slot is overwritten by the first round)."""
+    chunk = min(meta["max_prefill_chunk"], meta.get("sliding_window") or meta["max_prefill_chunk"])
+    windows = []
+    for start in range(0, n, chunk):
+        length = min(chunk, n - start)
+        if length >= meta["min_prefill_chunk"]:
+            windows.append(("prefill", start, length))
+            continue
+        for s in range(start, start + length, meta["max_m"]):
+            m = min(meta["max_m"], start + length - s)
+            if m >= 2:
+                windows.append(("target_verify", s, m))
+            elif s > 0:
+                windows.append(("target_verify", s - 1, 2))
+            else:
+                windows.append(("target_verify", 0, 2))  # one-token prompt: pad
+    return windows
+
+
+def prefill(engine, prompt: list[int], *, features: bool) -> Prefilled:
+    n = len(prompt)
+    padded = prompt + prompt[-1:]  # only the one-token pad reads past the prompt
+    feats = None
+    for method, start, length in prefill_windows(engine.meta, n):
+        tokens, pos = _t(padded[start:start + length]), _pos(start, length)
+        last = min(n - 1 - start, length - 1)  # row of the last prompt token in this window
+        if method == "prefill":
+            next_id, feature, logits = engine.prefill(tokens, pos)
+            next_id, logits = int(next_id.reshape(-1)[0]), logits.reshape(-1)
+        else:
+            ids, feature, logits = engine.target_verify(tokens, pos)
+            next_id, logits = int(ids[0, last]), logits[0, last]
+        if features:
+            feats = feature.new_empty(n, feature.shape[-1]) if feats is None else feats
+            feats[start:start + last + 1] = feature[0, : last + 1]
+    return Prefilled(next_id, logits, feats)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The draft: seed (or reseed) from target features, then single steps feeding back its own g
+
+
+class Draft:
+    """Proposals of one round: target-vocab ids, and (when sampling) the draft's distribution over the
+    target vocab at each proposal, q[j] [V]."""
+
+    def __init__(self, engine, sampler: Sampler):
+        self.engine, self.sampler = engine, sampler
+        meta = engine.meta
+        self.max_t = max(meta["max_prefill_chunk"], meta["max_m"])
+        self.d2t = meta["d2t"]
+        self.target_ids = torch.arange(self.d2t.numel()) + self.d2t  # draft id -> target id
+        self.vocab = meta["vocab_size"]
+
+    def _propose(self, ids: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if self.sampler.greedy:
+            return int(ids.reshape(-1)[-1]), None
+        q_draft = self.sampler.probs(logits.reshape(-1, logits.shape[-1])[-1])
+        q = torch.zeros(self.vocab, dtype=q_draft.dtype).index_add_(0, self.target_ids, q_draft)
+        return int(self.target_ids[self.sampler.draw(q_draft)]), q
+
+    def seed(self, tokens: list[int], features: torch.Tensor, start: int):
+        """Feed (tokens[i], features[i]) at positions start+i, in chunks; returns the first proposal."""
+        for s in range(0, len(tokens), self.max_t):
+            n = min(self.max_t, len(tokens) - s)
+            ids, g, logits = self.engine.draft_decode(_t(tokens[s:s + n]), features[None, s:s + n], _pos(start + s, n))
+        self.g, self.next_pos = g[:, -1:], start + len(tokens)
+        return self._propose(ids, logits)
+
+    def chain(self, first, k: int) -> tuple[list[int], list]:
+        """K proposals: the seeded one, then K-1 single steps (token = last proposal, feature = last g)."""
+        props, qs = [first[0]], [first[1]]
+        for _ in range(k - 1):
+            ids, self.g, logits = self.engine.draft_decode(_t(props[-1:]), self.g, _pos(self.next_pos, 1))
+            self.g, self.next_pos = self.g[:, -1:], self.next_pos + 1
+            tok, q = self._propose(ids, logits)
+            props.append(tok)
+            qs.append(q)
+        return props, qs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Verification: greedy (leading run of matches) or rejection sampling
+
+
+def accept_greedy(props: list[int], vids: list[int]) -> list[int]:
+    """props[:a] + [vids[a]] with a = the leading run where props[j] == vids[j]."""
+    a = 0
+    while a < len(props) and props[a] == vids[a]:
+        a += 1
+    return props[:a] + [vids[a]]
+
+
+def accept_sampled(props: list[int], qs: list[torch.Tensor], p_logits: torch.Tensor, sampler: Sampler) -> list[int]:
+    """Rejection sampling: accept x_j with min(1, p_j(x)/q_j(x)); on the first rejection draw from
+    normalize(max(p_j - q_j, 0)); if all K are accepted draw the bonus from p_K. Exact in distribution."""
+    p = sampler.probs(p_logits)  # [K+1, V]
+    for j, (x, q) in enumerate(zip(props, qs)):
+        if sampler.coin() * q[x] < p[j, x]:  # u < p/q without dividing by q
+            continue
+        residual = (p[j] - q).clamp_min(0)
+        return props[:j] + [sampler.draw(residual if residual.sum() > 0 else p[j])]
+    return props + [sampler.draw(p[len(props)])]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chain-length policies: static K, or adaptive K per round
+
+
+class StaticChain:
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self) -> int:
+        return self.k
+
+    def update(self, k: int, a: int, verify_ms: float, draft_ms: float) -> None:
+        pass
+
+
+class AdaptiveChain:
+    """Picks each round's K in [1, max_k] to maximise expected tokens per millisecond,
+    E(K) / (verify_ms(K+1) + K * draft_step_ms), with E(K) = sum_{j<=K} prod_{i<j} alpha_i.
+
+    alpha_i (acceptance at position i given position i was reached) is a Beta-smoothed count with an
+    optimistic prior, so untried positions get tried; verify_ms(T) is a running mean per window size,
+    read from the nearest measured size at or below T when T is untried (verify is nearly flat in T)."""
+
+    def __init__(self, max_k: int, start_k: int, prior: float = 0.8, prior_weight: float = 2.0):
+        self.max_k, self.k = max_k, start_k
+        self.acc = [prior * prior_weight] * max_k
+        self.reach = [prior_weight] * max_k
+        self.verify_ms: dict[int, float] = {}
+        self.draft_step_ms: float | None = None
+
+    def _verify_cost(self, t: int) -> float:
+        below = [s for s in self.verify_ms if s <= t]
+        return self.verify_ms[max(below)] if below else self.verify_ms[min(self.verify_ms)]
+
+    def expected_tokens(self, k: int) -> float:
+        e, survive = 1.0, 1.0
+        for i in range(k):
+            survive *= self.acc[i] / self.reach[i]
+            e += survive
+        return e
+
+    def choose(self) -> int:
+        if not self.verify_ms or self.draft_step_ms is None:
+            return self.k
+        rate = {k: self.expected_tokens(k) / (self._verify_cost(k + 1) + k * self.draft_step_ms)
+                for k in range(1, self.max_k + 1)}
+        self.k = max(rate, key=rate.get)
+        return self.k
+
+    def update(self, k: int, a: int, verify_ms: float, draft_ms: float) -> None:
+        if k < 1:
+            return
+        for i in range(min(a + 1, k)):
+            self.reach[i] += 1
+            self.acc[i] += i < a
+        old = self.verify_ms.get(k + 1)
+        self.verify_ms[k + 1] = verify_ms if old is None else 0.8 * old + 0.2 * verify_ms
+        step = draft_ms / k  # reseed + K-1 single steps = K draft calls
+        self.draft_step_ms = step if self.draft_step_ms is None else 0.8 * self.draft_step_ms + 0.2 * step
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def generate(
+    engine,
+    prompt_ids: list[int],
+    *,
+    chain: int | None = None,
+    max_new_tokens: int = 128,
+    stop_ids=(),
+    temperature: float = 0.0,
+    seed: int = 0,
+    policy: str = "static",
+) -> GenerationResult:
+    """Generate from `prompt_ids`: K = chain (None = the .pte's default; 0 = target-only baseline)."""
+    meta = engine.meta
+    k_max = resolve_chain(meta, chain)
+    prompt = [int(t) for t in prompt_ids]
+    check_prompt(meta, prompt)
+    if policy not in ("static", "adaptive"):
+        raise ValueError(f"unknown chain policy {policy!r}: use 'static' or 'adaptive'")
+    result = GenerationResult(prompt_ids=prompt, output_ids=[], chain=k_max)
+    sampler = Sampler(temperature, seed)
+    out = Emitter(max_new_tokens, stop_ids)
+    engine.reset()
+
+    # Prompt: target prefill, then seed the draft with (prompt[1:] + [bonus], F[0:L]).
+    t0 = time.perf_counter()
+    pre = prefill(engine, prompt, features=k_max > 0)
+    anchor = sampler.next_token(pre.next_id, pre.logits)
+    out.emit([anchor])
+    P = len(prompt)
+    if k_max > 0 and not out.done:
+        draft = Draft(engine, sampler)
+        first = draft.seed(prompt[1:] + [anchor], pre.features, 0)
+        chains = AdaptiveChain(meta["max_m"] - 1, k_max) if policy == "adaptive" else StaticChain(k_max)
+    result.prefill_ms = (time.perf_counter() - t0) * 1e3
+
+    t_decode = time.perf_counter()
+    while not out.done:
+        room = meta["max_seq_len"] - 1 - P  # verify writes P..P+K
+        if room < 0:
+            out.stop_reason = "cache_full"
+            break
+        k = 0 if k_max == 0 else min(chains.choose(), room, out.remaining - 1)
+
+        if k == 0:  # one target step: the baseline, or the last slot / last token of a speculative run
+            t = time.perf_counter()
+            ids, logits = engine.target_decode(_t([anchor]), _pos(P, 1))
+            verify_ms = (time.perf_counter() - t) * 1e3
+            new = [sampler.next_token(int(ids.reshape(-1)[0]), logits.reshape(-1))]
+            draft_ms, a = 0.0, 0
+        else:
+            t = time.perf_counter()
+            props, qs = draft.chain(first, k)
+            draft_ms = (time.perf_counter() - t) * 1e3
+
+            t = time.perf_counter()
+            vids, fv, logits = engine.target_verify(_t([anchor] + props), _pos(P, k + 1))
+            verify_ms = (time.perf_counter() - t) * 1e3
+            if sampler.greedy:
+                new = accept_greedy(props, vids[0].tolist())
+            else:
+                new = accept_sampled(props, qs, logits[0], sampler)
+            a = len(new) - 1
+
+        n = out.emit(new)
+        result.chains.append(k)
+        result.accepted.append(a)
+        result.emitted.append(n)
+        result.round_verify_ms.append(verify_ms)
+        anchor, P = new[-1], P + a + 1
+
+        if k > 0 and not out.done:  # reseed the draft from verify's features: no rollback needed
+            t = time.perf_counter()
+            first = draft.seed(new, fv[0, : a + 1], P - a - 1)
+            draft_ms += (time.perf_counter() - t) * 1e3
+            chains.update(k, a, verify_ms, draft_ms)
+        result.round_draft_ms.append(draft_ms)
+    result.decode_ms = (time.perf_counter() - t_decode) * 1e3
+
+    result.output_ids = out.ids
+    result.stop_reason = out.stop_reason
+    if policy == "adaptive" and k_max > 0:
+        log.info("adaptive K per round: %s", result.chains)
+    return result

@@ -1,0 +1,67 @@
+"""Cheap stand-in stages for testing the pipeline frame (store, app, tracking) without training anything.
+
+`write_fake_stages(dir, names)` writes a package `fakestages` under `dir`; run the app with
+`stage_package=fakestages` and `dir` on PYTHONPATH. Each content-addressed fake writes one file and reports
+`value`; the fake eval reports the runtime chain it was given.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> (UPSTREAM, CONFIG_KEYS), as in CONTRACT.md but without `data` (its fingerprint reads the corpus).
+SPECS = {
+    "target": ((), ("target",)),
+    "taps": (("target",), ("taps",)),
+    "draft": (("taps",), ("draft",)),
+    "export": (("target", "draft"), ("export",)),
+    "eval": (("export",), ("runtime",)),
+}
+
+STAGE = '''
+import json
+from pipeline import tracking
+
+SCHEMA_VERSION = 1
+UPSTREAM = {upstream!r}
+CONFIG_KEYS = {keys!r}
+
+
+def run(cfg, upstream, out):
+    {body}
+'''
+
+BODY = {
+    "content": '''tracking.log_metrics({{"step_metric": 1.0}}, step=1)
+    (out / "{name}.json").write_text(json.dumps({{u: a.key for u, a in upstream.items()}}))
+    return {{"value": 1.0}}''',
+    "eval": '''chain = cfg.runtime.chain or 0
+    (out / "metrics.json").write_text(json.dumps({{"chain": chain}}))
+    return {{"chain": chain, "tau": 1.0 + chain}}''',
+    "not_implemented": '''raise NotImplementedError("{name}")''',
+}
+
+
+def write_fake_stages(root: Path, names=tuple(SPECS), not_implemented=()) -> Path:
+    pkg = Path(root) / "fakestages"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    for name in names:
+        upstream, keys = SPECS[name]
+        kind = "not_implemented" if name in not_implemented else ("eval" if name == "eval" else "content")
+        body = BODY[kind].format(name=name)
+        (pkg / f"{name}.py").write_text(STAGE.format(upstream=upstream, keys=keys, body=body))
+    return pkg
+
+
+def run_app(args: list[str], fakes_dir: Path, outputs: Path, timeout: int = 180) -> subprocess.CompletedProcess:
+    """`python -m pipeline stage_package=fakestages paths.outputs=<outputs> *args` in a subprocess."""
+    env = dict(os.environ, PYTHONPATH=f"{fakes_dir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "pipeline", "stage_package=fakestages", f"paths.outputs={outputs}", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,152 @@
+"""The speculative loop on a real exported program: one .pte for every K, the same tokens as greedy decoding,
+the same tokens as the eager engine, and clear refusals.
+
+A random tiny draft is almost never right, so to drive the accepted paths through the real target methods
+the `Oracle` wrapper replaces the draft's proposals with the target's own greedy continuation (known from
+the baseline run), optionally spoiled at chosen positions, while every call still runs the .pte.
+"""
+
+import types
+
+import pytest
+import torch
+
+from runner import EagerEngine, PteEngine, generate
+
+PROMPT = [(7 * i + 3) % 200 + 2 for i in range(40)]
+
+
+@pytest.fixture(scope="session")
+def tiny_pte():  # TEMP: until the export library's shared fixture exists
+    from models import Speculator, tiny_draft, tiny_target
+
+    def speculator():
+        t = tiny_target(n_layers=2, max_seq_len=64, hidden_size=32, intermediate_size=64, n_heads=2, n_kv_heads=1)
+        d = tiny_draft(t)
+        sd = torch.load("/tmp/rt/tiny_sd.pt")
+        t.load_state_dict(sd["t"], strict=False)
+        d.load_state_dict(sd["d"], strict=False)
+        return Speculator(t, d)
+    return types.SimpleNamespace(path="/tmp/rt/tiny.pte", speculator=speculator)
+
+
+@pytest.fixture(scope="module")
+def pte(tiny_pte):
+    return PteEngine(tiny_pte.path)
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_pte, pte):
+    m = pte.meta
+    return EagerEngine(tiny_pte.speculator(), max_m=m["max_m"], chain_len=m["chain_len"],
+                       max_prefill_chunk=m["max_prefill_chunk"], min_prefill_chunk=m["min_prefill_chunk"])
+
+
+def prompt_lengths(meta):
+    """Short of the prefill minimum, one token, exactly one chunk, a chunk plus a one-token tail, several."""
+    lo, hi = meta["min_prefill_chunk"], meta["max_prefill_chunk"]
+    return sorted({1, 2, max(lo - 1, 1), lo, hi, hi + 1, min(2 * hi + 3, 40)})
+
+
+class Oracle:
+    """The .pte with draft proposals replaced by the known greedy sequence `seq` (prompt + continuation):
+    the draft query at position i proposes seq[i + 2], unless `wrong(j)` for the j-th proposal of a round."""
+
+    def __init__(self, engine, seq, wrong=lambda j: False):
+        self.engine, self.seq, self.wrong, self.meta = engine, seq, wrong, engine.meta
+        self.j = 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def target_verify(self, tokens, input_pos):
+        self.j = 0
+        return self.engine.target_verify(tokens, input_pos)
+
+    def draft_decode(self, tokens, feature, input_pos):
+        ids, g, logits = self.engine.draft_decode(tokens, feature, input_pos)
+        i = int(input_pos[-1]) + 2
+        if tokens.shape[1] > 1:  # a (re)seed: the first proposal of a round
+            self.j = 0
+        if i < len(self.seq):
+            ids = ids.clone()
+            ids[0, -1] = self.seq[i] if not self.wrong(self.j) else (self.seq[i] + 1) % self.meta["vocab_size"]
+        self.j += 1
+        return ids, g, logits
+
+
+def test_every_k_equals_greedy_from_one_pte(pte):
+    """One loaded program, every K in [1, max_m-1], prompts shorter and longer than the prefill chunk."""
+    max_m = pte.meta["max_m"]
+    for n in prompt_lengths(pte.meta):
+        base = generate(pte, PROMPT[:n], chain=0, max_new_tokens=16)
+        assert base.rounds == 15  # one target_decode per token after the prefill bonus
+        for k in range(1, max_m):
+            assert generate(pte, PROMPT[:n], chain=k, max_new_tokens=16).output_ids == base.output_ids, (n, k)
+
+
+def test_baseline_is_the_targets_own_greedy_decoding(pte, tiny_pte):
+    target = tiny_pte.speculator().target
+    seq = PROMPT[:9]
+    with torch.no_grad():
+        for _ in range(12):
+            seq.append(int(target(torch.tensor([seq]))[0, -1].argmax()))
+    assert generate(pte, PROMPT[:9], chain=0, max_new_tokens=12).output_ids == seq[9:]
+
+
+@pytest.mark.parametrize("spoil", [None, 0, 1, "alternate"])
+def test_forced_acceptance_through_the_pte(pte, spoil):
+    """Full acceptance (the bonus path at every T up to max_m), none, partial: always the greedy tokens."""
+    n = pte.meta["min_prefill_chunk"]
+    base = generate(pte, PROMPT[:n], chain=0, max_new_tokens=30)
+    seq = PROMPT[:n] + base.output_ids
+    for k in range(1, pte.meta["max_m"]):
+        wrong = {None: lambda j: False, 0: lambda j: j == 0, 1: lambda j: j == 1,
+                 "alternate": lambda j: j == k // 2}[spoil]
+        res = generate(Oracle(pte, seq, wrong), PROMPT[:n], chain=k, max_new_tokens=30)
+        assert res.output_ids == base.output_ids, (spoil, k)
+        full = [a for c, a in zip(res.chains, res.accepted) if c == k]
+        expect = {None: k, 0: 0, 1: min(1, k), "alternate": k // 2}[spoil]
+        assert full and all(a == expect for a in full), (spoil, k, res.accepted)
+        if spoil is None:  # k + 1 tokens per round, one target_verify each
+            assert res.rounds == -(-29 // (k + 1))
+
+
+def test_pte_and_eager_engines_give_the_same_tokens(pte, eager):
+    for n in (3, pte.meta["max_prefill_chunk"] + 2):
+        for k in (0, 1, pte.meta["max_m"] - 1):
+            a = generate(pte, PROMPT[:n], chain=k, max_new_tokens=20).output_ids
+            assert generate(eager, PROMPT[:n], chain=k, max_new_tokens=20).output_ids == a, (n, k)
+
+
+def test_sampling_on_the_pte_is_seeded(pte):
+    run = lambda seed: generate(pte, PROMPT[:8], chain=3, temperature=1.0, seed=seed, max_new_tokens=20).output_ids  # noqa: E731
+    assert run(5) == run(5)
+    assert len({tuple(run(s)) for s in range(4)}) > 1
+
+
+def test_chain_out_of_range_is_refused_naming_the_range_from_the_pte(pte):
+    max_m = pte.meta["max_m"]
+    for k in (max_m, -1, max_m + 3):
+        with pytest.raises(ValueError, match=rf"K={k} is outside the valid range \[1, {max_m - 1}\]"):
+            generate(pte, PROMPT[:5], chain=k)
+    assert generate(pte, PROMPT[:5], chain=None, max_new_tokens=5).chain == pte.meta["chain_len"]
+
+
+def test_prompt_too_long_is_refused_naming_both_lengths(pte):
+    n = pte.meta["max_seq_len"]
+    with pytest.raises(ValueError, match=rf"prompt of {n + 5} tokens is too long for max_seq_len={n}"):
+        generate(pte, [5] * (n + 5), chain=2)
+
+
+def test_a_pte_without_the_constant_methods_is_refused(tmp_path):
+    from executorch.exir import to_edge
+
+    class Add(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    program = to_edge(torch.export.export(Add(), (torch.ones(2),))).to_executorch()
+    (tmp_path / "bare.pte").write_bytes(program.buffer)
+    with pytest.raises(ValueError, match=r"lacks the methods \['prefill', 'target_verify'.*get_max_m"):
+        PteEngine(tmp_path / "bare.pte")
