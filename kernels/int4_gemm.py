@@ -155,7 +155,7 @@ _MAX_TILES = 1 << 15
 
 def default_config(N: int, K: int, group: int, sms: int = 132) -> tuple[int, int, int, int, int]:
     """Enough (tile, split) programs to keep every SM streaming: >= 2 programs per SM when K allows."""
-    block_n, block_k = 64, max(group, 128)
+    block_n, block_k = 64, (128 if K % 128 == 0 else group)
     tiles = triton.cdiv(N, block_n)
     split = 1
     while tiles * split < 2 * sms and K % (2 * split * block_k) == 0 and K // (2 * split) >= 1024:

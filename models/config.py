@@ -99,10 +99,10 @@ class TargetConfig:
             self.tap_layers = check_taps(self.tap_layers, self.n_layers)
         if self.sliding_window is not None:
             self.sliding_window = list(self.sliding_window)
-            if len(self.sliding_window) != self.n_layers:
-                raise ValueError(
-                    f"sliding_window has {len(self.sliding_window)} entries for {self.n_layers} layers"
-                )
+            if len(self.sliding_window) != self.n_layers or not all(
+                    w is None or (isinstance(w, int) and w > 0) for w in self.sliding_window):
+                raise ValueError(f"sliding_window {self.sliding_window} invalid: need {self.n_layers} entries, "
+                                 f"each a positive int or None")
         check_rope_scaling(self.rope_scaling)
 
     @property

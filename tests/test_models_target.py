@@ -1,6 +1,7 @@
 """Target transformer: taps, cached vs stateless agreement, config/taps validation, our checkpoint format."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def test_default_taps_and_refusals():
     with pytest.raises(ValueError, match=r"\[2, 2, 1\] invalid for a 4-layer target"):
         TargetConfig(n_layers=4).taps
     for bad in ([3, 2, 1], [1, 1, 2], [0, 1, 5], [1, 2], [1.0, 2, 3], [-1, 0, 1]):
-        with pytest.raises(ValueError, match=__import__("re").escape(str(bad))):
+        with pytest.raises(ValueError, match=re.escape(str(bad))):
             TargetConfig(n_layers=4, tap_layers=bad)
     assert check_taps([0, 2, 4], 4) == (0, 2, 4)
     with pytest.raises(ValueError, match="n_kv_heads"):

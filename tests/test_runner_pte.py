@@ -6,28 +6,12 @@ the `Oracle` wrapper replaces the draft's proposals with the target's own greedy
 the baseline run), optionally spoiled at chosen positions, while every call still runs the .pte.
 """
 
-import types
-
 import pytest
 import torch
 
 from runner import EagerEngine, PteEngine, generate
 
 PROMPT = [(7 * i + 3) % 200 + 2 for i in range(40)]
-
-
-@pytest.fixture(scope="session")
-def tiny_pte():  # TEMP: until the export library's shared fixture exists
-    from models import Speculator, tiny_draft, tiny_target
-
-    def speculator():
-        t = tiny_target(n_layers=2, max_seq_len=64, hidden_size=32, intermediate_size=64, n_heads=2, n_kv_heads=1)
-        d = tiny_draft(t)
-        sd = torch.load("/tmp/rt/tiny_sd.pt")
-        t.load_state_dict(sd["t"], strict=False)
-        d.load_state_dict(sd["d"], strict=False)
-        return Speculator(t, d)
-    return types.SimpleNamespace(path="/tmp/rt/tiny.pte", speculator=speculator)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,48 @@
+"""The one dispatch rule: M <= max_m rows take the small-M kernels, larger M takes the dense path.
+
+max_m is the verify window's largest T (DESIGN.md §5): the exported verify range [2, max_m] and decode
+(T = 1) sit at or under it and prefill's minimum sits above it, so every call site resolves to one side
+for its whole shape range, and the rule leaves no data-dependent guard in an exported graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.int4_gemm import BLOCK_M, dequantize_int4, int4_mm
+from kernels.sdpa_midm import MAX_M, sdpa_midm, visible
+
+SMALL_M_LIMIT = min(BLOCK_M, MAX_M)  # the kernels take at most this many rows
+
+
+def check_max_m(max_m: int) -> int:
+    if not 1 <= max_m <= SMALL_M_LIMIT:
+        raise ValueError(f"max_m={max_m}: the small-M kernels take 1..{SMALL_M_LIMIT} rows")
+    return max_m
+
+
+def use_small_m(m: int, max_m: int) -> bool:
+    return m <= max_m
+
+
+def int4_linear(x: torch.Tensor, packed, scale, zero, group: int, max_m: int, bias=None) -> torch.Tensor:
+    """x [..., K] bf16 -> [..., N]: the INT4 kernel when the rows fit, else dequantise + dense matmul."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"int4_linear takes bfloat16 activations; got {x.dtype}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if use_small_m(x2.shape[0], max_m):
+        y = int4_mm(x2, packed, scale, zero, group)
+    else:
+        y = x2 @ dequantize_int4(packed, scale, zero, group, x.dtype).t()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def attention(q, k, v, q_pos, max_m: int, window: int = 0, scale: float | None = None, valid_len=None):
+    """q [B,Hq,M,D] over the cache k/v [B,Hkv,L,D] under key <= q_pos (and window, valid_len)."""
+    if use_small_m(q.shape[2], max_m):
+        return sdpa_midm(q, k, v, q_pos, valid_len, window, scale)
+    mask = visible(q_pos, k.shape[2], valid_len, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

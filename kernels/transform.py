@@ -1,0 +1,89 @@
+"""Put a models/ transformer on the GPU kernels: INT4 small-M GEMM for every linear, split-K SDPA for
+cached attention with T <= max_m.
+
+`to_kernels(model, max_m, group)` works in place and returns the model:
+- every `nn.Linear` becomes an `Int4Linear` (packed weights + per-group scale/zero buffers, bias kept);
+  its forward is `dispatch.int4_linear`, i.e. the kernel for <= max_m rows, dequantise + dense above;
+- every `models.layers.Attention` gets a subclass whose `forward` records `input_pos` for the duration of
+  the call and whose `attend` runs `dispatch.attention` (sdpa_midm for T <= max_m, torch SDPA above) on
+  the cached path; the stateless path (input_pos None) keeps the model's own attention.
+The model's own code (projection, cache writes, masks) is untouched: only the math behind `attend` and the
+linears changes. Move the model to CUDA in bfloat16 before or after; the kernels need bf16 activations.
+Run one eager forward before capturing a CUDA graph: it compiles the kernels and allocates the split-K
+arrival counters (kernels.int4_gemm.counters) outside the capture.
+Out of scope: embeddings stay bf16; batch > 1 on the cached path (the model refuses it anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import dispatch
+from kernels.int4_gemm import quantize_int4
+from models.layers import Attention
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, group: int, max_m: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group, self.max_m = group, dispatch.check_max_m(max_m)
+        packed, scale, zero = quantize_int4(linear.weight.detach(), group)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero", zero)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
+                                                                  requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dispatch.int4_linear(x, self.packed, self.scale, self.zero, self.group, self.max_m, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group}, max_m={self.max_m}"
+
+
+class _KernelAttention:
+    """Mixin over an Attention class; `kernel_window` (0 = none) and `max_m` are set by `to_kernels`."""
+
+    def forward(self, x, cos, sin, mask, input_pos=None):
+        self._q_pos = input_pos
+        try:
+            return super().forward(x, cos, sin, mask, input_pos)
+        finally:
+            self._q_pos = None
+
+    def attend(self, q, k, v, mask):
+        q_pos = getattr(self, "_q_pos", None)
+        if q_pos is None:
+            return super().attend(q, k, v, mask)
+        return dispatch.attention(q, k, v, q_pos, self.max_m, self.kernel_window, self.scale)
+
+
+_KERNEL_CLASSES: dict[type, type] = {}
+
+
+def _kernel_class(cls: type) -> type:
+    if cls not in _KERNEL_CLASSES:
+        _KERNEL_CLASSES[cls] = type(f"Kernel{cls.__name__}", (_KernelAttention, cls), {})
+    return _KERNEL_CLASSES[cls]
+
+
+def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128) -> nn.Module:
+    """In place: linears -> Int4Linear, attention -> sdpa_midm for T <= max_m. Returns the model."""
+    dispatch.check_max_m(max_m)
+    windows = {}
+    cfg = getattr(model, "cfg", None)
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and cfg is not None and hasattr(cfg, "window"):
+            windows[id(attn)] = cfg.window(i) or 0
+    for module in list(model.modules()):
+        if isinstance(module, Attention) and not isinstance(module, _KernelAttention):
+            module.__class__ = _kernel_class(type(module))
+            module.max_m = max_m
+            module.kernel_window = windows.get(id(module), 0)
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, Int4Linear(child, group, max_m))
+    return model

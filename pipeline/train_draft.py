@@ -1,0 +1,342 @@
+"""Training an EAGLE-3 draft head with training-time test (TTT), as plain functions (no Hydra here).
+
+A batch is what the taps stage stores for sequences of T tokens:
+    ids    [B,T] int64    the tokens
+    taps   [B,T,3Ht]      cat(h_a, h_b, h_c) of the target at each position (fc-ready)
+    final  [B,T,Ht]       the target's last residual (before its final norm); target_head() turns it
+                          into the target's logits, so the soft labels are exact and need no V-wide storage
+    top1   [B,T] int64    the target's argmax at each position (predicts token t+1)
+    mask   [B,T] bool     positions whose prediction counts (the generated part of a sequence, say)
+
+Training-time test (DESIGN.md §3) over S = T - N slots, step i = 0..N-1, slot t:
+    input token   ids[t+1+i]          (at inference: the confirmed token for i = 0, then the draft's own
+                                       proposals, which equal the target's greedy tokens when accepted)
+    feature       fc(taps[t]) for i = 0, else g of step i-1 at slot t
+    position      t + i               (Eagle3Draft.forward_ttt's default)
+    attention     step-0 keys at slots <= t plus the keys of steps 1..i at slot t: exactly the draft's
+                  KV cache at inference after a seed and i single steps (forward_ttt implements it)
+    label         the target at position t+1+i (predicting token t+2+i): soft cross-entropy against its
+                  distribution restricted to the draft vocab and renormalised; a slot counts where
+                  mask[t+1+i] and the target's argmax lies in the draft vocab
+    loss          sum_i decay^i * loss_i;   acc_i = P(to_target(argmax draft) == top1[t+1+i]) over mask
+Truncating to T - N slots (rather than padding) gives every step the same slots, so acc_i of different
+steps are measured on the same positions and the leading-run ("chain") acceptance is well defined.
+
+Everything a run depends on is in `TrainConfig` and the step number: the batch of step s comes from a
+permutation seeded by (seed, epoch of s), the learning rate is a pure function of s, so a run resumed from
+`save_checkpoint` (weights, optimizer state, step) continues bit for bit like an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from models import Eagle3Draft, Transformer
+
+Batch = Mapping[str, torch.Tensor]
+
+
+# --- the draft vocabulary --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VocabMap:
+    used: torch.Tensor  # int64[Vd], ascending target ids forming the draft vocab
+    d2t: torch.Tensor  # int64[Vd], used[i] - i
+    t2d: torch.Tensor  # bool[V]
+    coverage: float  # share of the counted target tokens that the draft vocab covers
+
+    @property
+    def size(self) -> int:
+        return self.used.numel()
+
+
+def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> VocabMap:
+    """The draft vocab from target-token counts: the Vd most frequent ids, sorted ascending.
+
+    d2t[i] = used[i] - i (so target_id = draft_id + d2t[draft_id]), t2d marks them. Ties in the counts go
+    to the lower id (stable sort), so the map is a function of the counts. When V <= draft_vocab_size the
+    draft vocab is the whole vocab and d2t is all zeros.
+    """
+    counts = torch.as_tensor(counts).to(torch.int64).flatten()
+    V = counts.numel()
+    if V <= draft_vocab_size:
+        used = torch.arange(V)
+    else:
+        order = torch.sort(counts, descending=True, stable=True).indices
+        used = torch.sort(order[:draft_vocab_size]).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    total = int(counts.sum())
+    coverage = float(counts[used].sum()) / total if total else 1.0
+    return VocabMap(used=used, d2t=used - torch.arange(used.numel()), t2d=t2d, coverage=coverage)
+
+
+def token_counts(top1: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """How often each target id is the target's argmax at a counted position: what the draft must predict."""
+    return torch.bincount(top1[mask.bool()].flatten(), minlength=vocab_size)[:vocab_size]
+
+
+# --- labels from the target -------------------------------------------------------------------------------
+def target_head(target: Transformer, final: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its last residual: norm, lm_head, soft-cap (as Transformer.forward)."""
+    logits = target.lm_head(target.norm(final))
+    cap = target.cfg.logit_softcap
+    return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+
+@torch.no_grad()
+def labels(head: Callable[[torch.Tensor], torch.Tensor], batch: Batch, t2d: torch.Tensor, used: torch.Tensor | None):
+    """(probs [B,T-1,Vd], top1 [B,T-1], valid [B,T-1], in_vocab [B,T-1]) for positions 1..T-1.
+
+    probs: the target's softmax restricted to the draft vocab (`used`, None = all) and renormalised.
+    valid: mask (the slot counts for acceptance); in_vocab: valid and the target's argmax is a draft token.
+    """
+    logits = head(batch["final"][:, 1:].float()).float()
+    if used is not None:
+        logits = logits.index_select(-1, used)
+    top1 = batch["top1"][:, 1:]
+    valid = batch["mask"][:, 1:].bool()
+    return torch.softmax(logits, dim=-1), top1, valid, valid & t2d[top1]
+
+
+# --- training-time test -----------------------------------------------------------------------------------
+def ttt_logits(draft: Eagle3Draft, ids: torch.Tensor, taps: torch.Tensor, n_steps: int) -> list[torch.Tensor]:
+    """Draft logits [B,S,Vd] of each TTT step i = 0..n_steps-1 over S = T - n_steps slots."""
+    T = ids.shape[1]
+    S = T - n_steps
+    if S < 1:
+        raise ValueError(f"sequences of {T} tokens leave no slot for {n_steps} TTT steps (need T > N)")
+    feature = draft.fuse(taps[:, :S].chunk(3, dim=-1))
+    past, out = [], []
+    for i in range(n_steps):
+        logits, feature, kv = draft.forward_ttt(ids[:, 1 + i : 1 + i + S], feature, past, step=i)
+        past.append(kv)
+        out.append(logits)
+    return out
+
+
+def ttt_loss(draft: Eagle3Draft, batch: Batch, head: Callable, n_steps: int, decay: float = 0.8,
+             used: torch.Tensor | None = None):
+    """(total loss, stats) for one batch: total = sum_i decay^i * loss_i (module docstring).
+
+    stats: per step i, loss_i (mean soft CE over in-vocab slots), correct_i and count_i (acceptance over
+    masked slots, an out-of-vocab target argmax counting as a miss), and `correct` [n_steps, B, S] bool for
+    the leading-run acceptance. `used` = draft vocab ids (None when the draft vocab is the whole vocab).
+    """
+    probs, top1, valid, in_vocab = labels(head, batch, draft.t2d, used)
+    step_logits = ttt_logits(draft, batch["ids"], batch["taps"], n_steps)
+    S = step_logits[0].shape[1]
+    total = step_logits[0].new_zeros((), dtype=torch.float32)
+    stats = {"loss": [], "correct": [], "count": [], "hits": []}
+    for i, logits in enumerate(step_logits):
+        sl = slice(i, i + S)  # positions 1+i .. 1+i+S-1
+        p, t1, v, iv = probs[:, sl], top1[:, sl], valid[:, sl], in_vocab[:, sl]
+        logits = logits.float()
+        n = int(iv.sum())
+        loss_i = F.cross_entropy(logits[iv], p[iv]) if n else logits.sum() * 0.0
+        total = total + decay**i * loss_i
+        with torch.no_grad():
+            hit = (draft.to_target(logits.argmax(-1)) == t1) & v
+        stats["loss"].append(float(loss_i.detach()))
+        stats["correct"].append(int(hit.sum()))
+        stats["count"].append(int(v.sum()))
+        stats["hits"].append(hit)
+    stats["hits"] = torch.stack(stats["hits"])  # [N, B, S]
+    return total, stats
+
+
+def acceptance(acc: list[float]) -> float:
+    """Simulated acceptance length 1 + sum_k prod_{j<=k} acc_j (tokens per round if steps were independent)."""
+    total, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        total += run
+    return total
+
+
+def chain_acceptance(hits: torch.Tensor, valid_all: torch.Tensor) -> tuple[float, int]:
+    """(1 + mean leading run of hits over slots whose N labels are all valid, number of such slots).
+
+    On greedy (generated) data the TTT inputs are the target's own tokens, so a slot's leading run of hits
+    is exactly the number of proposals a chain of length N started there would get accepted.
+    """
+    run = torch.cumprod(hits.to(torch.int64), dim=0).sum(0)  # [B, S]
+    n = int(valid_all.sum())
+    return (1.0 + float(run[valid_all].float().mean())) if n else float("nan"), n
+
+
+# --- optimisation -----------------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 8
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 10
+    betas: tuple = (0.9, 0.95)
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ttt_steps: int = 7
+    decay: float = 0.8
+    seed: int = 0
+    autocast: str | None = None  # None | "bfloat16": matmuls in bf16, loss and optimizer in fp32
+    extra: dict = field(default_factory=dict)
+
+
+def lr_at(step: int, c: TrainConfig) -> float:
+    """Linear warmup to c.lr over c.warmup steps, then cosine decay to c.min_lr at c.steps."""
+    if step < c.warmup:
+        return c.lr * (step + 1) / c.warmup
+    progress = min(1.0, (step - c.warmup) / max(1, c.steps - c.warmup))
+    return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(draft: Eagle3Draft, c: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in draft.parameters() if p.requires_grad]  # embed_tokens is frozen
+    return torch.optim.AdamW(params, lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay, foreach=False)
+
+
+def batch_rows(step: int, n_rows: int, c: TrainConfig) -> torch.Tensor:
+    """Row indices of step `step`: epoch = step // steps_per_epoch, a fresh permutation per (seed, epoch)."""
+    per_epoch = max(1, n_rows // c.batch_size)
+    epoch, k = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(c.seed * 1_000_003 + epoch)
+    perm = torch.randperm(n_rows, generator=g)
+    if n_rows < c.batch_size:
+        return perm
+    return perm[k * c.batch_size : (k + 1) * c.batch_size]
+
+
+def take(data: Batch, rows: torch.Tensor, device) -> dict[str, torch.Tensor]:
+    return {k: v[rows].to(device, non_blocking=True) for k, v in data.items()}
+
+
+def autocast_ctx(device: torch.device, kind: str | None):
+    if not kind:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, kind))
+
+
+def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, batch: Batch, head: Callable, c: TrainConfig,
+               step: int, used: torch.Tensor | None = None) -> dict:
+    """One optimizer step at learning rate lr_at(step). Returns loss, loss_i, acc_i, lr, grad_norm."""
+    lr = lr_at(step, c)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    draft.train()
+    device = batch["ids"].device
+    with autocast_ctx(device, c.autocast):
+        loss, stats = ttt_loss(draft, batch, head, c.ttt_steps, c.decay, used)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], c.grad_clip)
+    opt.step()
+    out = {"loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm)}
+    for i in range(c.ttt_steps):
+        out[f"loss_{i}"] = stats["loss"][i]
+        out[f"acc_{i}"] = stats["correct"][i] / max(1, stats["count"][i])
+    return out
+
+
+@torch.no_grad()
+def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, device,
+             used: torch.Tensor | None = None, batch_size: int | None = None) -> dict:
+    """Held-out metrics over all rows of `data`: loss_i, acc_i, sim_accept_len and chain_accept_len."""
+    was_training = draft.training
+    draft.eval()
+    N = c.ttt_steps
+    n_rows = data["ids"].shape[0]
+    bs = batch_size or c.batch_size
+    loss_sum = [0.0] * N
+    correct, count = [0] * N, [0] * N
+    runs, run_slots = 0.0, 0
+    for start in range(0, n_rows, bs):
+        batch = take(data, torch.arange(start, min(n_rows, start + bs)), device)
+        with autocast_ctx(torch.device(device), c.autocast):
+            _, stats = ttt_loss(draft, batch, head, N, c.decay, used)
+        S = stats["hits"].shape[-1]
+        mask = batch["mask"].bool()
+        # slots whose N labels (positions t+1 .. t+N) all count
+        valid_all = torch.stack([mask[:, 1 + i : 1 + i + S] for i in range(N)]).all(0)
+        length, n = chain_acceptance(stats["hits"], valid_all)
+        if n:
+            runs += (length - 1.0) * n
+            run_slots += n
+        for i in range(N):
+            loss_sum[i] += stats["loss"][i] * stats["count"][i]
+            correct[i] += stats["correct"][i]
+            count[i] += stats["count"][i]
+    draft.train(was_training)
+    acc = [correct[i] / max(1, count[i]) for i in range(N)]
+    out = {f"acc_{i}": acc[i] for i in range(N)}
+    out.update({f"loss_{i}": loss_sum[i] / max(1, count[i]) for i in range(N)})
+    out["sim_accept_len"] = acceptance(acc)
+    out["chain_accept_len"] = 1.0 + runs / run_slots if run_slots else float("nan")
+    out["slots"] = count[0]
+    return out
+
+
+# --- checkpoints ------------------------------------------------------------------------------------------
+def save_checkpoint(path: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, step: int, extra: dict | None = None):
+    """Weights, optimizer state and the number of steps done, written atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step, "extra": extra or {}}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, device=None) -> tuple[int, dict]:
+    """Restore a `save_checkpoint`; returns (steps done, extra)."""
+    state = torch.load(path, map_location=device, weights_only=True)
+    draft.load_state_dict(state["draft"])
+    opt.load_state_dict(state["opt"])
+    return int(state["step"]), state.get("extra", {})
+
+
+def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None, c: TrainConfig, device, *,
+        checkpoint: Path | None = None, checkpoint_every_s: float = 60.0, eval_every: int | None = None,
+        log: Callable[[dict, int], None] | None = None, log_every: int = 1, used: torch.Tensor | None = None,
+        progress: bool = True) -> dict:
+    """Train for c.steps steps (resuming from `checkpoint` if it exists), evaluating every `eval_every` steps
+    (default: once per epoch) and at the end. Returns the last held-out metrics plus run facts."""
+    device = torch.device(device)
+    opt = make_optimizer(draft, c)
+    start = 0
+    if checkpoint is not None and Path(checkpoint).is_file():
+        start, _ = load_checkpoint(checkpoint, draft, opt, device)
+    n_rows = train["ids"].shape[0]
+    per_epoch = max(1, n_rows // c.batch_size)
+    eval_every = eval_every or per_epoch
+    log = log or (lambda metrics, step: None)
+    held: dict = {}
+    t0 = last_save = time.perf_counter()
+    from tqdm import tqdm
+
+    bar = tqdm(range(start, c.steps), initial=start, total=c.steps, desc="draft", mininterval=2.0,
+               dynamic_ncols=True, disable=not progress)
+    ema = None
+    for step in bar:
+        batch = take(train, batch_rows(step, n_rows, c), device)
+        m = train_step(draft, opt, batch, head, c, step, used)
+        done = step + 1
+        ema = m["loss"] if ema is None else 0.9 * ema + 0.1 * m["loss"]
+        bar.set_postfix(loss=f"{ema:.3f}", acc0=f"{m['acc_0']:.2f}", held0=f"{held.get('acc_0', float('nan')):.2f}")
+        if done % log_every == 0 or done == c.steps:
+            log(m, done)
+        if held_out is not None and (done % eval_every == 0 or done == c.steps):
+            held = evaluate(draft, held_out, head, c, device, used)
+            log({f"held_out_{k}": v for k, v in held.items()} | {"epoch": done / per_epoch}, done)
+        if checkpoint is not None and done < c.steps and time.perf_counter() - last_save > checkpoint_every_s:
+            save_checkpoint(checkpoint, draft, opt, done)
+            last_save = time.perf_counter()
+    bar.close()
+    return {"held_out": held, "resumed_at": start, "train_seconds": time.perf_counter() - t0,
+            "epochs": c.steps / per_epoch}

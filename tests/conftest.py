@@ -1,0 +1,32 @@
+"""Shared test fixtures. Expensive ones (an exported .pte) are session-scoped: build once, reuse everywhere."""
+
+import hashlib
+import types
+
+import pytest
+
+
+def _tiny_speculator():
+    """A tiny target + draft (2 layers, vocab 256, a 192-token draft vocab with a real d2t); same weights on
+    every call (seeded), so a fresh eager copy matches the exported one."""
+    import torch
+
+    from models import Speculator, tiny_draft, tiny_target
+
+    target = tiny_target(seed=0, n_layers=2, max_seq_len=64)
+    draft = tiny_draft(target, seed=1, draft_vocab_size=192)
+    draft.set_vocab_map(torch.cat([torch.arange(128), torch.arange(128, 256, 2)]))
+    return Speculator(target, draft).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_pte(tmp_path_factory):
+    """One exported .pte of `_tiny_speculator()` (portable backend), shared by every test that needs one:
+    `.path`, `.speculator()` (a fresh eager copy with the same weights) and the export arguments."""
+    from pipeline.export_pte import export_pte
+
+    args = dict(max_m=6, chain_len=3, max_prefill_chunk=16, min_prefill_chunk=8, backend="portable")
+    path = tmp_path_factory.mktemp("tiny_pte") / "model.pte"
+    report = export_pte(_tiny_speculator(), out_path=path, manifest_hash=hashlib.sha256(b"tiny").hexdigest(),
+                        progress=False, **args)
+    return types.SimpleNamespace(path=path, speculator=_tiny_speculator, report=report, **args)
