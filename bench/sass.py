@@ -65,15 +65,15 @@ def int4(block_n, block_k, group, split, warps, stages):
     return compile_sm90(_int4_mm_kernel.get(), sig, const, warps, stages, aligned)
 
 
-def sdpa(block_r, block_n, warps, stages, G=4, m_pad=8, D=128, splits=64):
+def sdpa(block_r, block_n, warps, stages, G=4, m_pad=8, D=128):
     from kernels.sdpa_midm import _sdpa_split_kernel
     sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", pos_ptr="*i64", vlen_ptr="*i64", ml_ptr="*fp32",
                acc_ptr="*fp32", M="i32", L="i32", qk_scale="fp32", window="i32",
                stride_qb="i32", stride_qh="i32", stride_qm="i32", stride_kb="i32", stride_kh="i32",
-               stride_kl="i32", stride_vb="i32", stride_vh="i32", stride_vl="i32",
+               stride_kl="i32", stride_vb="i32", stride_vh="i32", stride_vl="i32", SPLITS="i32",
                H_KV="constexpr", G="constexpr", M_PAD="constexpr", BLOCK_R="constexpr", BLOCK_N="constexpr",
-               D="constexpr", SPLITS="constexpr", HAS_VLEN="constexpr", HAS_WINDOW="constexpr")
-    const = dict(H_KV=8, G=G, M_PAD=m_pad, BLOCK_R=block_r, BLOCK_N=block_n, D=D, SPLITS=splits, HAS_VLEN=True,
+               D="constexpr", HAS_VLEN="constexpr", HAS_WINDOW="constexpr")
+    const = dict(H_KV=8, G=G, M_PAD=m_pad, BLOCK_R=block_r, BLOCK_N=block_n, D=D, HAS_VLEN=True,
                  HAS_WINDOW=False)
     aligned = [a for a, t in sig.items() if t.startswith("*")] + [a for a in sig if a.startswith("stride")] + ["L"]
     return compile_sm90(_sdpa_split_kernel.get(), sig, const, warps, stages, aligned)

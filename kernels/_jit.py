@@ -11,7 +11,11 @@ Interpreter shims (CPU tests only; they change nothing when kernels are compiled
 - the 3.6 interpreter keeps scalars as 1-element numpy arrays and converts them with `int(array)`, which
   numpy >= 2.4 refuses for 1-d arrays, so `range()` over any run-time value fails: read the one element;
 - it stores bfloat16 as uint16 bit patterns and `tl.dot` multiplies those patterns as integers: widen
-  bfloat16 operands to float32 (exact) before the product.
+  bfloat16 operands to float32 (exact) before the product;
+- triton's own standard library (`tl.zeros`, `tl.sum`, `tl.cdiv`, ...) is `@jit`-decorated when triton is
+  imported, so it is compiled-mode when the variable was set later; for the duration of each interpreted
+  launch (the interpreter's own patch scope, restored afterwards) those functions are swapped for
+  interpreted ones.
 """
 
 from __future__ import annotations
@@ -42,14 +46,31 @@ def _fix_interpreter() -> None:
     def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
+    from triton.runtime.jit import JITFunction
+
+    interpreted = {}
+    patch_lang = interpreter._patch_lang
+
+    def patched_lang(fn):
+        scope = patch_lang(fn)
+        for module in (tl, tl.standard, tl.math):
+            for name, value in list(vars(module).items()):
+                if isinstance(value, JITFunction):
+                    if id(value) not in interpreted:  # (a JITFunction hashes by compiling its cache key)
+                        interpreted[id(value)] = interpreter.InterpretedFunction(value.fn)
+                    scope.set_attr(module, name, interpreted[id(value)])
+        return scope
+
     interpreter._patch_lang_tensor = patched_tensor
+    interpreter._patch_lang = patched_lang
     interpreter.InterpreterBuilder.create_dot = patched_dot
     interpreter._eagle3_fixed = True
 
 
 class LazyJit:
-    def __init__(self, fn):
+    def __init__(self, fn, **jit_kwargs):
         self.fn = fn
+        self.jit_kwargs = jit_kwargs
         self._by_mode = {}
 
     def get(self):
@@ -57,12 +78,15 @@ class LazyJit:
         if mode not in self._by_mode:
             if mode:
                 _fix_interpreter()
-            self._by_mode[mode] = triton.jit(self.fn)
+            self._by_mode[mode] = triton.jit(self.fn, **self.jit_kwargs)
         return self._by_mode[mode]
 
     def __getitem__(self, grid):
         return wrap_triton(self.get())[grid]
 
 
-def lazy_jit(fn) -> LazyJit:
-    return LazyJit(fn)
+def lazy_jit(fn=None, **jit_kwargs):
+    """@lazy_jit or @lazy_jit(do_not_specialize=[...]) like @triton.jit."""
+    if fn is None:
+        return lambda f: LazyJit(f, **jit_kwargs)
+    return LazyJit(fn, **jit_kwargs)

@@ -12,8 +12,10 @@ with M. Dequantisation costs one or two integer ops per weight: q | 0x4300 read 
 the products against x run on the tensor cores, and the group's affine map is applied to the [BLOCK_N, 16]
 partial sum instead of to every weight:
   sum_k x_k (q_k - z) s = s * (sum_k x_k (128 + q_k) - (128 + z) * sum_k x_k).
-Even and odd k come from the low and high nibbles, so x is split the same way instead of interleaving the
-weights. With SPLIT_K > 1 each program writes an fp32 partial; the last program of a column tile to
+The k order inside a group is permuted (on x and the weights alike) so that each thread's
+tensor-core fragment is 16 consecutive bytes of the packed row: one 16-byte load, and one prmt + one lop3
+per byte to form its bf16x2 register (inline PTX on the GPU; plain ops with the same values in the
+interpreter, so the CPU tests check the permutation). With SPLIT_K > 1 each program writes an fp32 partial; the last program of a column tile to
 arrive (a per-tile counter, reset by that program) sums the partials in split order and writes the
 output, so the result is deterministic and the op is one launch.
 
@@ -29,6 +31,7 @@ import triton.language as tl
 from kernels._jit import lazy_jit
 
 BLOCK_M = 16  # activation rows per launch (the tensor-core minimum); M <= BLOCK_M
+USE_PTX = True  # inline-PTX unpacking on the GPU (False: the plain-op path, same values, slower)
 GROUPS = (32, 128)
 
 
@@ -68,7 +71,7 @@ def int4_mm_reference(x: torch.Tensor, packed, scale, zero, group: int) -> torch
 
 # ----------------------------------------------------------------------------- kernel
 
-@lazy_jit
+@lazy_jit(do_not_specialize=["M"])  # one binary for every M (1 would be specialised)
 def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                     M, N, K, stride_xm, stride_ym,
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -79,53 +82,55 @@ def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     n_ok = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    # Byte b of a 4-byte word holds k = 2b (low nibble) and 2b+1 (high nibble). The unpacking below
-    # yields the four low (high) nibbles of a word in byte order 0, 2, 1, 3, so x is gathered in that
-    # order: element i of a group's half-tile is byte (i & ~3) | (i & 1) << 1 | (i >> 1) & 1.
-    i = tl.arange(0, GROUP // 2)
-    byte = (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1)
+    half = tl.arange(0, GROUP // 2)
+    cols = tl.arange(0, GROUP)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * (K // 2)
-    x_cols = x_ptr + offs_m[None, :] * stride_xm + 2 * byte[:, None]  # x^T [GROUP/2, BLOCK_M], even k
-    k_len = K // SPLIT_K
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    k_len = tl.multiple_of(K // SPLIT_K, BLOCK_K)  # the launcher checks K % (SPLIT_K * BLOCK_K) == 0
     k_start = pid_k * k_len
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, k_len, BLOCK_K):  # (offset loop: the interpreter cannot range over program ids)
         for j in tl.static_range(BLOCK_K // GROUP):
-            kg = k_start + k0 + j * GROUP
-            p = tl.load(w_rows + (kg // 2 + i)[None, :], mask=n_ok[:, None], other=0)
-            # lo = bf16 128 + q[2b], hi = bf16 128 + q[2b+1]. PTX: one lop3 per two values on 32-bit words
-            # (GPU); else the same values in the same order from plain ops (the interpreter).
-            if PTX:
-                lo, hi = tl.inline_asm_elementwise(
+            kg = tl.multiple_of(k_start + k0 + j * GROUP, GROUP)
+            p = tl.load(w_rows + (kg // 2 + half)[None, :], mask=n_ok[:, None], other=0)
+            x = tl.load(x_rows + (kg + cols)[None, :], mask=m_ok[:, None], other=0.0)
+            # The product sums over k, so k may be reordered on both sides. Byte b = 16t + 2c + h of the
+            # group (t < 4, c < GROUP/16, h < 2) becomes pair 8c + 4h + t: then the 16 k-pairs a thread
+            # holds in the tensor-core fragment (pairs t + 4i) are 16 consecutive bytes, read in one
+            # 16-byte load, and each byte's two nibbles form one bf16x2 fragment register.
+            p = tl.reshape(tl.permute(tl.reshape(p, (BLOCK_N, 4, GROUP // 16, 2)), (0, 2, 3, 1)),
+                           (BLOCK_N, GROUP // 2))
+            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, 4, GROUP // 16, 2, 2)), (0, 2, 3, 1, 4)),
+                           (BLOCK_M, GROUP))
+            # bf16 bits 0x4300 | q = 128 + q exactly: w_pair = (128 + low nibble, 128 + high nibble)
+            if PTX:  # per 4 bytes: one shift, then per byte one prmt (gather both nibbles) + one lop3
+                pair = tl.inline_asm_elementwise(
                     asm="""{
-                    .reg .b32 t1, t2, t3;
-                    shr.u32 t1, $4, 4;
-                    shr.u32 t2, $4, 8;
-                    shr.u32 t3, $4, 12;
-                    lop3.b32 $0, $4, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 $1, t2, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 $2, t1, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 $3, t3, 0x000F000F, 0x43004300, 0xEA;
+                    .reg .b32 t, r0, r1, r2, r3;
+                    shr.u32 t, $4, 4;
+                    prmt.b32 r0, $4, t, 0x4440;
+                    prmt.b32 r1, $4, t, 0x5551;
+                    prmt.b32 r2, $4, t, 0x6662;
+                    prmt.b32 r3, $4, t, 0x7773;
+                    lop3.b32 $0, r0, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 $1, r1, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 $2, r2, 0x000F000F, 0x43004300, 0xEA;
+                    lop3.b32 $3, r3, 0x000F000F, 0x43004300, 0xEA;
                     }""",
-                    constraints="=r,=r,=r,=r,r", args=[p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-                    pack=4)
-            else:
-                lo = ((p & 0xF).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                hi = ((p >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                lo = tl.reshape(tl.permute(tl.reshape(lo, (BLOCK_N, GROUP // 8, 2, 2)), (0, 1, 3, 2)),
-                                (BLOCK_N, GROUP // 2))
-                hi = tl.reshape(tl.permute(tl.reshape(hi, (BLOCK_N, GROUP // 8, 2, 2)), (0, 1, 3, 2)),
-                                (BLOCK_N, GROUP // 2))
-            x_even = tl.load(x_cols + kg, mask=m_ok[None, :], other=0.0)
-            x_odd = tl.load(x_cols + kg + 1, mask=m_ok[None, :], other=0.0)
-            part = tl.dot(lo, x_even)
-            part = tl.dot(hi, x_odd, part)  # = sum x q + 128 X, X = the group's sums of x
-            x_sum = tl.sum(x_even.to(tl.float32), axis=0) + tl.sum(x_odd.to(tl.float32), axis=0)
+                    constraints="=r,=r,=r,=r,r", args=[p], dtype=tl.int32, is_pure=True, pack=4)
+                lo = (pair & 0xFFFF).to(tl.int16)
+                hi = (pair >> 16).to(tl.int16)
+            else:  # the same values from plain ops (the interpreter has no inline PTX)
+                lo = (p & 0xF).to(tl.int16) | 0x4300
+                hi = (p >> 4).to(tl.int16) | 0x4300
+            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, GROUP)).to(tl.bfloat16, bitcast=True)
+            part = tl.dot(w, tl.trans(x))  # = sum_k x (q - z) + (128 + z) X,  X = the group's sum of x
+            x_sum = tl.sum(x.to(tl.float32), axis=1)
             g = kg // GROUP
             s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            acc += s[:, None] * part - ((z + 128.0) * s)[:, None] * x_sum[None, :]
+            acc += s[:, None] * (part - (z + 128.0)[:, None] * x_sum[None, :])
 
     out_ok = n_ok[:, None] & m_ok[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -192,7 +197,7 @@ def launch_int4_mm(x, packed, scale, zero, group: int, config=None, out=None) ->
         raise ValueError(f"N={N} needs {grid[0]} column tiles; the counter buffer has {_MAX_TILES}")
     _int4_mm_kernel[grid](x, packed, scale, zero, y, ws, cnt, M, N, K, x.stride(0), y.stride(0),
                           GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split,
-                          PTX=not triton.knobs.runtime.interpret, num_warps=warps, num_stages=stages)
+                          PTX=USE_PTX and not triton.knobs.runtime.interpret, num_warps=warps, num_stages=stages)
     return y
 
 

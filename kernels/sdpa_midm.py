@@ -21,8 +21,6 @@ splits with a log-sum-exp reduce and writes the output as a [B, M, Hq, D] buffer
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -60,13 +58,13 @@ def sdpa_reference(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float
 
 # ----------------------------------------------------------------------------- kernels
 
-@lazy_jit
+@lazy_jit(do_not_specialize=["M", "SPLITS", "window"])
 def _sdpa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, vlen_ptr, ml_ptr, acc_ptr,
                        M, L, qk_scale, window,
                        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kl,
                        stride_vb, stride_vh, stride_vl,
-                       H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_N: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                       SPLITS, H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                        HAS_VLEN: tl.constexpr, HAS_WINDOW: tl.constexpr):
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -117,7 +115,7 @@ def _sdpa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, vlen_ptr, ml_ptr, acc_ptr,
     tl.store(acc_ptr + (part * BLOCK_R + r)[:, None] * D + d[None, :], acc)
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=["M"])
 def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_om,
                         H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
                         D: tl.constexpr, SPLITS: tl.constexpr):
@@ -142,21 +140,30 @@ def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_
 
 # ----------------------------------------------------------------------------- launch
 
-def default_splits(L: int, heads: int, block_n: int = 64, sms: int = 132) -> int:
-    """Splits of the key range: ~4 programs per SM when the cache is long, >= 4 key tiles per split."""
-    want = triton.next_power_of_2(max(1, triton.cdiv(4 * sms, heads)))
-    most = triton.next_power_of_2(max(1, L // (4 * block_n)))
-    return max(1, min(want, most, 128))
+# Launch configuration, set from the one tuning run on the H200 (bench/NOTES.md).
+CONFIG = dict(block_n=64, warps=4, stages=3, programs_per_sm=4, min_tiles_per_split=4)
+
+
+def default_splits(L: int, heads: int, block_n: int, sms: int = 132) -> int:
+    """Splits of the key range (a power of 2): about CONFIG programs per SM for a long cache, and at least
+    CONFIG key tiles per split for a short one."""
+    want = triton.next_power_of_2(max(1, triton.cdiv(CONFIG["programs_per_sm"] * sms, heads)))
+    most = triton.next_power_of_2(max(1, L // (CONFIG["min_tiles_per_split"] * block_n)))
+    return max(1, min(want, most, 256))
 
 
 def launch_sdpa(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | None = None,
-                splits: int | None = None, block_n: int = 64, warps: int = 4, stages: int = 3):
+                splits: int | None = None, block_n: int | None = None, warps: int | None = None,
+                stages: int | None = None):
     B, Hq, M, D = q.shape
     _, Hkv, L, _ = k.shape
     if M > MAX_M:
         raise ValueError(f"sdpa_midm takes M <= {MAX_M} query rows; got {M} (use the dense path)")
     if Hq % Hkv or D & (D - 1) or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("sdpa_midm needs Hq % Hkv == 0, power-of-2 head_dim and contiguous last dims")
+    block_n = block_n or CONFIG["block_n"]
+    warps = warps or CONFIG["warps"]
+    stages = stages or CONFIG["stages"]
     G = Hq // Hkv
     m_pad = triton.next_power_of_2(M)
     block_r = max(16, triton.next_power_of_2(G) * m_pad)
@@ -169,8 +176,8 @@ def launch_sdpa(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | 
     _sdpa_split_kernel[(splits, B * Hkv)](
         q, k, v, q_pos, vlen, ml, acc, M, L, scale * LOG2E, window,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, BLOCK_N=block_n, D=D, SPLITS=splits,
+        v.stride(0), v.stride(1), v.stride(2), splits,
+        H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, BLOCK_N=block_n, D=D,
         HAS_VLEN=valid_len is not None, HAS_WINDOW=window > 0, num_warps=warps, num_stages=stages)
     _sdpa_reduce_kernel[(B * Hkv, G * M)](
         ml, acc, out, M, out.stride(0), out.stride(1), out.stride(2),

@@ -59,8 +59,10 @@ class MlflowSweep(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         children = read_children(sweep_dir)
         with tracking.activate(self.tracker, self.parent):
-            summary = summarize_sweep(children, sweep_dir)
-            tracking.log_metrics(summary or {})
+            try:
+                tracking.log_metrics(summarize_sweep(children, sweep_dir) or {})
+            except Exception:  # a broken summary must not leave the parent run open
+                log.exception("the sweep summary failed; the parent run is closed without it")
         failed = [c["job_num"] for c in children if c.get("status") != "ok"]
         if self.tracker is not None and self.parent:
             self.tracker.end_run(self.parent, "FAILED" if failed else "FINISHED")

@@ -12,7 +12,7 @@ names a new one.
 Invariants:
 - A directory that exists under its key is complete. Stages write into a fresh temporary directory
   `<root>/<stage>/.tmp-<key>-<pid>/`, the manifest is written last, and the directory is renamed into
-  place while holding `<root>/<stage>/<key>.lock`. A second process asking for the same key waits on the
+  place while holding `<root>/.locks/<stage>/<key>.lock`. A second process asking for the same key waits on the
   lock, then finds the finished artifact and logs "cached <stage> <key>"; it never builds it twice.
 - Loading verifies every file's sha256 against the manifest (once per load) and refuses an artifact whose
   files were changed, removed or added; `python -m pipeline.store verify` does the same for the whole store.
@@ -173,7 +173,8 @@ class Store:
             log.info("cached %s %s", stage, key)
             return found, True
         (self.root / stage).mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(self.root / stage / f"{key}.lock"))
+        (self.root / ".locks" / stage).mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(self.root / ".locks" / stage / f"{key}.lock"))
         try:
             lock.acquire(timeout=0)
         except Timeout:

@@ -6,6 +6,18 @@ import types
 import pytest
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on the shared 2-core machine: one torch thread is ~10x faster than two contended ones.
+    Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _tiny_speculator():
     """A tiny target + draft (2 layers, vocab 256, a 192-token draft vocab with a real d2t); same weights on
     every call (seeded), so a fresh eager copy matches the exported one."""

@@ -8,6 +8,8 @@ import pytest
 from pipeline.stages import eval as eval_stage
 from runner.generate import GenerationResult
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 METRIC_NAMES = {"chain", "max_m", "pte_sha256", "tokens_per_s", "baseline_tokens_per_s", "speedup", "tau",
                 "draft_acceptance_rate", "verify_ms_per_round", "draft_ms_per_round", "prefill_ms", "rounds",
                 "emitted_tokens", "lossless", "n_prompts"}
@@ -92,3 +94,116 @@ def test_sweep_summary_table_plot_and_best_k(tmp_path):
     assert "best K = 2" in (tmp_path / "summary.md").read_text()
     assert (tmp_path / "summary.png").stat().st_size > 1000
     assert eval_stage.summarize_sweep(children[3:], tmp_path) == {}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The stage itself, on the shared tiny .pte with fake upstream artifacts (a word-level tokenizer that fits
+# the tiny vocab of 256)
+
+
+WORDS = [f"w{i}" for i in range(254)]  # + <|bos|>, <|eos|> = the tiny vocab of 256
+
+
+@pytest.fixture(scope="module")
+def stage_inputs(tiny_pte, tmp_path_factory):
+    import hashlib
+
+    import torch
+    from omegaconf import OmegaConf
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    from models import save_speculators, save_target
+    from pipeline.store import Artifact
+
+    root = tmp_path_factory.mktemp("eval_inputs")
+    vocab = {"<|bos|>": 0, "<|eos|>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins with spaces
+    spec = tiny_pte.speculator()
+    save_target(spec.target, root / "target")
+    tok.save(str(root / "target" / "tokenizer.json"))
+    save_speculators(spec.draft, root / "draft")
+    (root / "export").mkdir()
+    (root / "export" / "model.pte").symlink_to(tiny_pte.path)
+    sha = hashlib.sha256(tiny_pte.path.read_bytes()).hexdigest()
+    upstream = {
+        "target": Artifact("target", "t" * 64, root / "target", {}),
+        "draft": Artifact("draft", "d" * 64, root / "draft", {}),
+        "export": Artifact("export", "e" * 64, root / "export", {"files": {"model.pte": sha}}),
+    }
+    gen = torch.Generator().manual_seed(0)
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        ids = torch.randint(0, 254, (300,), generator=gen).tolist()
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(WORDS[j] for j in ids))
+    runtime = OmegaConf.load(Path(__file__).parents[1] / "conf" / "runtime" / "default.yaml")
+    base = OmegaConf.create({"device": "cpu", "export": {"backend": "portable", "max_m": tiny_pte.max_m},
+                             "data": {"kind": "text", "paths": [str(corpus / "*.txt")], "held_out_fraction": 0.3,
+                                      "max_bytes": None, "text_field": "text"},
+                             "runtime": runtime})
+    base.runtime.update({"n_prompts": 3, "prompt_len": 12, "max_new_tokens": 24})
+    return base, upstream, sha
+
+
+def run_stage(stage_inputs, tmp_path, **runtime):
+    from omegaconf import OmegaConf
+
+    base, upstream, _ = stage_inputs
+    cfg = OmegaConf.merge(base, {"runtime": runtime})
+    report = eval_stage.run(cfg, upstream, tmp_path)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    gens = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    return report, metrics, gens
+
+
+def test_eval_writes_metrics_and_generations(stage_inputs, tmp_path):
+    report, m, gens = run_stage(stage_inputs, tmp_path, chain=4)
+    assert set(m) == METRIC_NAMES | {f"acceptance_pos_{i}" for i in range(4)}
+    assert m["chain"] == 4 and m["max_m"] == 6 and m["pte_sha256"] == stage_inputs[2]
+    assert m["lossless"] is True and m["n_prompts"] == 3 and m["rounds"] > 0
+    assert m["tokens_per_s"] > 0 and m["baseline_tokens_per_s"] > 0 and m["prefill_ms"] > 0
+    assert report["lossless"] == 1 and {k: v for k, v in report.items() if k != "lossless"} == \
+        {k: v for k, v in m.items() if k != "lossless"}
+    assert len(gens) == 3
+    for g in gens:
+        assert {"prompt", "prompt_ids", "output_ids", "text", "tau", "lossless"} <= set(g)
+        assert len(g["prompt_ids"]) == 12 and g["lossless"] is True
+        assert len(g["output_ids"]) == 24 or g["output_ids"][-1] == 1  # the budget, or <|eos|>
+        assert g["text"].split() == [WORDS[i - 2] for i in g["output_ids"] if i >= 2]
+
+
+def test_eval_from_a_prompt_file_with_the_eager_engine_and_the_default_chain(stage_inputs, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w1 w2 w3 w4 w5"}\n{"prompt": "w9"}\n')
+    _, m, gens = run_stage(stage_inputs, tmp_path, prompts=str(prompts), engine="eager", chain=None)
+    assert m["chain"] == 3 and m["n_prompts"] == 2 and m["lossless"] is True
+    assert [g["prompt_ids"] for g in gens] == [[3, 4, 5, 6, 7], [11]]
+
+
+def test_eval_adaptive_policy_logs_k_per_round(stage_inputs, tmp_path):
+    _, m, gens = run_stage(stage_inputs, tmp_path, chain=2, policy="adaptive")
+    assert m["lossless"] is True and set(f"acceptance_pos_{i}" for i in range(5)) <= set(m)
+    assert all(g["chain_per_round"] and all(0 <= k <= 5 for k in g["chain_per_round"]) for g in gens)
+
+
+def test_eval_refuses_a_chain_outside_the_pte_range(stage_inputs, tmp_path):
+    with pytest.raises(ValueError, match=r"K=6 is outside the valid range \[1, 5\]"):
+        run_stage(stage_inputs, tmp_path, chain=6)
+
+
+def test_a_lossless_mismatch_fails_loudly_unless_allowed(stage_inputs, tmp_path, monkeypatch):
+    real = eval_stage.generate
+
+    def corrupted(engine, ids, *, chain, **kw):
+        res = real(engine, ids, chain=chain, **kw)
+        if chain:
+            res.output_ids[5] = (res.output_ids[5] + 1) % 200
+        return res
+
+    monkeypatch.setattr(eval_stage, "generate", corrupted)
+    with pytest.raises(RuntimeError, match="lossless check failed on prompt 0.*first at generated token 5"):
+        run_stage(stage_inputs, tmp_path, chain=2)
+    _, m, gens = run_stage(stage_inputs, tmp_path, chain=2, allow_mismatch=True)
+    assert m["lossless"] is False and all(g["lossless"] is False and g["first_difference"] == 5 for g in gens)

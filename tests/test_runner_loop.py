@@ -14,6 +14,8 @@ import torch
 
 from runner.generate import AdaptiveChain, generate, prefill_windows
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 V = 16
 
 

@@ -11,6 +11,8 @@ import torch
 
 from runner import EagerEngine, PteEngine, generate
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPT = [(7 * i + 3) % 200 + 2 for i in range(40)]
 
 

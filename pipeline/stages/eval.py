@@ -137,6 +137,10 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     engine = load_engine(cfg, upstream)
     meta = engine.meta
     chain = resolve_chain(meta, rt.chain)  # K out of [1, max_m-1] stops here, naming the range
+    expected = export.manifest.get("report", {}).get("manifest_hash")
+    if expected and meta["manifest_hash"] != expected:
+        raise ValueError(f"{Path(export.path) / PTE} reports manifest hash {meta['manifest_hash'][:16]}... but its "
+                         f"export artifact says {expected[:16]}...: the .pte does not belong to these artifacts")
     pte_sha256 = export.manifest.get("files", {}).get(PTE) or hashlib.sha256((Path(export.path) / PTE).read_bytes()).hexdigest()
 
     if rt.prompts:

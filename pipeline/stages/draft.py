@@ -1,0 +1,182 @@
+"""The draft stage: an EAGLE-3 head for the target, trained on the taps (`draft=train`) or loaded (`draft=load`).
+
+Artifact: a speculators-layout checkpoint (config.json + model.safetensors with d2t/t2d), read with
+`models.load_speculators(artifact.path, target)`. Its manifest names the target and taps it was built
+from (upstream keys, and `target_key` in the report, which the export stage checks).
+
+`draft=train` (default), DESIGN.md §3, the loop in pipeline/train_draft.py:
+- draft vocab: the `draft_vocab_size` target ids that are most often the target's argmax at counted
+  positions of the train taps, sorted; d2t[i] = used[i] - i. A target vocab no larger than
+  draft_vocab_size makes the draft vocab the whole vocab (d2t = 0). Coverage is reported.
+- one decoder layer of the target's width (heads, head_dim, RoPE from the target; intermediate size from
+  the target unless `draft.intermediate_size`); embed_tokens is a frozen copy of the target's; with
+  `init_from_target` lm_head and the final norm start as the target's rows for the draft vocab.
+- training-time test with `train.ttt_steps` unrolled steps, loss weights decay^i, soft cross-entropy
+  against the target restricted to the draft vocab, AdamW + warmup/cosine, gradient clipping; per-step
+  metrics (loss, loss_i, acc_i, lr) and per-epoch held-out metrics go to MLflow; a checkpoint in the
+  stage's scratch directory every `train.checkpoint_every_s` lets an interrupted run resume exactly.
+`draft=load draft.path=DIR`: a speculators checkpoint, validated against the target (hidden size, vocab,
+tap layers, d2t range and t2d agreement, the frozen embedding); a mismatch fails naming the field.
+
+Both report held-out acc_i (i = 0..N-1; top-1 agreement of TTT step i with the target on the held-out
+taps), `sim_accept_len` = 1 + sum_k prod_{j<=k} acc_j (the tokens per round a chain of N drafts would give
+if the steps were independent) and `chain_accept_len` (the leading run of agreeing steps, averaged: on
+greedy taps, the acceptance a chain of N started at that slot would get).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import tracking
+from pipeline import train_draft as td
+from pipeline.stages.taps import INDEX, load_taps
+from pipeline.store import scratch_dir
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+UPSTREAM = ("target", "taps")
+CONFIG_KEYS = ("draft", "seed")
+CHECKPOINT = "train_state.pt"
+
+
+def key_extra(cfg: DictConfig) -> dict:
+    """draft=load: a stat fingerprint of the checkpoint directory, so a checkpoint changed in place reloads."""
+    if cfg.draft.kind != "load" or not Path(str(cfg.draft.path)).is_dir():
+        return {}
+    h = hashlib.sha256()
+    root = Path(str(cfg.draft.path))
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return {"draft_files": h.hexdigest()}
+
+
+def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
+    from models import load_target, save_speculators
+
+    dc = cfg.draft
+    device = torch.device(cfg.device)
+    target_art, taps_art = upstream["target"], upstream["taps"]
+    target = load_target(Path(target_art.path)).to(device).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    index = json.loads((Path(taps_art.path) / INDEX).read_text())
+    if tuple(index["tap_layers"]) != target.cfg.taps or index["hidden_size"] != target.cfg.hidden_size:
+        raise ValueError(f"draft: taps {taps_art.path} were taken at layers {index['tap_layers']} of width "
+                         f"{index['hidden_size']}, the target has {list(target.cfg.taps)} / {target.cfg.hidden_size}")
+    held_out = load_taps(taps_art.path, "held_out")
+    tc = train_config(dc, int(cfg.seed))
+
+    if dc.kind == "train":
+        draft, report = train(cfg, target, load_taps(taps_art.path, "train"), held_out, tc, device)
+    elif dc.kind == "load":
+        draft, report = load(dc, target)
+        draft = draft.to(device)
+    else:
+        raise ValueError(f"draft.kind must be 'train' or 'load', got {dc.kind!r}")
+
+    used = draft_vocab_ids(draft)
+    held = td.evaluate(draft, held_out, lambda f: td.target_head(target, f), tc, device, used)
+    draft = draft.cpu().eval()
+    save_speculators(draft, out)
+    report.update({
+        "kind": str(dc.kind),
+        "target_key": target_art.key,
+        "taps_key": taps_art.key,
+        "ttt_steps": tc.ttt_steps,
+        "draft_vocab_size": draft.cfg.draft_vocab_size,
+        **{f"acc_{i}": round(held[f"acc_{i}"], 4) for i in range(tc.ttt_steps)},
+        "sim_accept_len": round(held["sim_accept_len"], 4),
+        "chain_accept_len": round(held["chain_accept_len"], 4),
+        "held_out_loss_0": round(held["loss_0"], 4),
+        "held_out_slots": held["slots"],
+    })
+    log.info("draft (%s): held-out acc %s, simulated acceptance length %.2f (chain %.2f) for N=%d", dc.kind,
+             " ".join(f"{held[f'acc_{i}']:.3f}" for i in range(tc.ttt_steps)), held["sim_accept_len"],
+             held["chain_accept_len"], tc.ttt_steps)
+    return report
+
+
+def train_config(dc: DictConfig, seed: int) -> td.TrainConfig:
+    t = OmegaConf.to_container(dc.get("train") or {}, resolve=True)
+    known = set(td.TrainConfig.__dataclass_fields__) - {"extra", "seed"}
+    c = td.TrainConfig(seed=seed, **{k: v for k, v in t.items() if k in known})
+    c.betas = tuple(c.betas)
+    return c
+
+
+def draft_vocab_ids(draft) -> torch.Tensor | None:
+    """The target ids of the draft vocab (None when it is the whole vocab in order)."""
+    Vd, V = draft.cfg.draft_vocab_size, draft.cfg.vocab_size
+    if Vd == V and not draft.d2t.any():
+        return None
+    return torch.arange(Vd, device=draft.d2t.device) + draft.d2t
+
+
+# --- draft=train ---------------------------------------------------------------------------------------
+def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.TrainConfig, device):
+    from models import Eagle3Draft, draft_config_for
+
+    dc = cfg.draft
+    V = target.cfg.vocab_size
+    vm = td.build_vocab_map(td.token_counts(train_taps["top1"], train_taps["mask"], V), int(dc.draft_vocab_size))
+    log.info("draft vocab: %d of %d target ids, covering %.2f%% of the target's argmax tokens", vm.size, V,
+             100 * vm.coverage)
+    overrides = {"draft_vocab_size": vm.size}
+    if dc.get("intermediate_size"):
+        overrides["intermediate_size"] = int(dc.intermediate_size)
+    torch.manual_seed(int(cfg.seed))
+    draft = Eagle3Draft(draft_config_for(target.cfg, **overrides))
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        draft.set_vocab_map(vm.used)
+        if dc.get("init_from_target", False):
+            draft.lm_head.weight.copy_(target.lm_head.weight[vm.used])
+            draft.norm.weight.copy_(target.norm.weight)
+    draft = draft.to(device)
+    used = None if vm.size == V else vm.used.to(device)
+
+    def log_metrics(metrics: dict, step: int) -> None:
+        tracking.log_metrics(metrics, step=step)
+
+    result = td.fit(draft, lambda f: td.target_head(target, f), train_taps, held_out, tc, device,
+                    checkpoint=scratch_dir() / CHECKPOINT, checkpoint_every_s=float(dc.train.checkpoint_every_s),
+                    eval_every=dc.train.get("eval_every"), log=log_metrics, log_every=int(dc.train.log_every),
+                    used=used)
+    report = {
+        "params": sum(p.numel() for p in draft.parameters() if p.requires_grad),
+        "vocab_coverage": round(vm.coverage, 4),
+        "steps": tc.steps,
+        "epochs": round(result["epochs"], 2),
+        "resumed_at": result["resumed_at"],
+        "train_seconds": round(result["train_seconds"], 1),
+        "train_sequences": int(train_taps["ids"].shape[0]),
+    }
+    return draft, report
+
+
+# --- draft=load ----------------------------------------------------------------------------------------
+def load(dc: DictConfig, target):
+    from models import load_speculators
+
+    path = Path(str(dc.path))
+    if not path.is_dir():
+        raise FileNotFoundError(f"draft=load: draft.path={str(path)!r} is not a directory")
+    try:
+        draft = load_speculators(path, target, max_seq_len=target.cfg.max_seq_len)
+    except ValueError as e:
+        raise ValueError(f"draft=load: {path} does not fit the target: {e}") from e
+    if draft.cfg.hidden_size == target.cfg.hidden_size and not torch.equal(
+            draft.embed_tokens.weight.float().cpu(), target.embed_tokens.weight.float().cpu()):
+        raise ValueError(f"draft=load: {path} does not fit the target: its embed_tokens differ from the "
+                         f"target's (the draft's embedding must be a frozen copy of the target's)")
+    return draft, {"source": str(path.absolute()), "params": sum(p.numel() for p in draft.parameters())}

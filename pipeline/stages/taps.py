@@ -1,0 +1,288 @@
+"""The taps stage: run the target over sequences and store what training the draft needs.
+
+Artifact (read with `load_taps(artifact.path, split)`):
+    taps.json                     layout: source, seq_len, prompt_len, tap_layers, hidden/vocab size, dtype,
+                                  eos id, shard files per split
+    train-00000.safetensors ...   shards of `taps.shard_sequences` sequences of the train split
+    held_out-00000.safetensors    the same for the held-out split (never trained on; draft eval reads it)
+Each shard holds, for n sequences of T = taps.seq_len tokens:
+    ids    int32[n,T]      tokens
+    taps   dtype[n,T,3H]   cat(h_a, h_b, h_c) at the target's tap layers (fc-ready, tap order = fc order)
+    final  dtype[n,T,H]    the target's last residual before the final norm: the draft stage turns it into
+                           the target's logits (norm + lm_head), which is H wide instead of V wide on disk
+    top1   int32[n,T]      the target's argmax at each position (computed in float32)
+    mask   bool[n,T]       positions whose next-token prediction counts in the loss and in acceptance
+
+`taps.source`:
+- `generate` (default): prompts of `prompt_len` corpus tokens, continued greedily by the target to T tokens
+  in batches with a KV cache; the taps are the states the target computes while it generates. This is
+  on-policy data: the draft learns on the text the target actually produces, which is what the eval
+  measures (greedy continuations of held-out prompts). mask = the continuation (positions >= prompt_len-1)
+  up to a generated EOS, or every position with `mask_prompt: false`.
+- `corpus`: windows of T corpus tokens, tapped with one stateless forward per batch; mask = everything.
+
+Sequences of a split are fixed up front from `seed` (prompt windows drawn from the split's token stream),
+and shard i always holds the same sequences, so an interrupted run resumes shard by shard from the stage's
+scratch directory. The batched decode below runs the target's own layer modules (norms, projections, the
+attention math in `Attention.attend`, MLP) over a per-batch KV cache; tests pin it against the target's
+stateless forward (same greedy tokens, same taps within float tolerance).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file, save_file
+
+from pipeline import data, tracking
+from pipeline.store import scratch_dir
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+UPSTREAM = ("target",)
+CONFIG_KEYS = ("data", "taps", "seed")
+INDEX = "taps.json"
+SPLITS = ("train", "held_out")
+FIELDS = ("ids", "taps", "final", "top1", "mask")
+
+
+# --- the target, batched -----------------------------------------------------------------------------
+class BatchedDecoder:
+    """Greedy continuation of B prompts at once with a KV cache of its own ([B, kv, T, hd] per layer).
+
+    `step(tokens [B,t], pos [t])` runs the target's layers on t new tokens at absolute positions pos,
+    returning (last residual [B,t,H], taps [B,t,3H]). It mirrors Transformer.hidden + Block.forward using
+    the target's own modules; the cache is this object's, so the target's static batch-1 cache is untouched.
+    """
+
+    def __init__(self, target, batch: int, seq_len: int):
+        c = target.cfg
+        self.target, self.cfg = target, c
+        p = next(target.parameters())
+        shape = (batch, c.n_kv_heads, seq_len, c.head_dim)
+        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(c.n_layers)]
+        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(c.n_layers)]
+        self.tap_layers = c.taps
+
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor):
+        from models.layers import attention_mask
+
+        t, m = self.target, self.cfg
+        B, T = tokens.shape
+        n = int(pos[-1]) + 1
+        key_pos = torch.arange(n, device=tokens.device)
+        cos, sin = t.rope.tables(pos)
+        h = t.embed_tokens(tokens)
+        if m.embed_scale != 1.0:
+            h = h * torch.tensor(m.embed_scale, dtype=h.dtype)
+        tapped = [h] if 0 in self.tap_layers else []
+        for i, layer in enumerate(t.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(h), cos, sin)
+            self.k[i][:, :, pos] = k
+            self.v[i][:, :, pos] = v
+            out = attn.attend(q, self.k[i][:, :, :n], self.v[i][:, :, :n], attention_mask(pos, key_pos, m.window(i)))
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, attn.n_heads * attn.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i + 1 in self.tap_layers:
+                tapped.append(h)
+        return h, torch.cat(tapped, dim=-1)
+
+
+def top1_of(target, final: torch.Tensor) -> torch.Tensor:
+    from pipeline.train_draft import target_head
+
+    return target_head(target, final).argmax(-1)
+
+
+@torch.no_grad()
+def generate_tapped(target, prompts: torch.Tensor, seq_len: int) -> dict[str, torch.Tensor]:
+    """Greedy continuation of prompts [B,P] to seq_len tokens; ids, taps, final, top1 of every position."""
+    B, P = prompts.shape
+    dec = BatchedDecoder(target, B, seq_len)
+    H = target.cfg.hidden_size
+    dev = prompts.device
+    ids = torch.zeros(B, seq_len, dtype=torch.int64, device=dev)
+    ids[:, :P] = prompts
+    taps = torch.empty(B, seq_len, 3 * H, device=dev)
+    final = torch.empty(B, seq_len, H, device=dev)
+    top1 = torch.empty(B, seq_len, dtype=torch.int64, device=dev)
+    h, tp = dec.step(prompts, torch.arange(P, device=dev))
+    taps[:, :P], final[:, :P], top1[:, :P] = tp, h, top1_of(target, h)
+    for t in range(P, seq_len):
+        ids[:, t] = top1[:, t - 1]
+        h, tp = dec.step(ids[:, t : t + 1], torch.tensor([t], device=dev))
+        taps[:, t : t + 1], final[:, t : t + 1], top1[:, t : t + 1] = tp, h, top1_of(target, h)
+    return {"ids": ids, "taps": taps, "final": final, "top1": top1}
+
+
+@torch.no_grad()
+def tap_sequences(target, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One stateless forward over ids [B,T]: taps, final, top1 of every position."""
+    final, tapped = target.hidden(ids, None, target.cfg.taps)
+    return {"ids": ids, "taps": torch.cat(tapped, dim=-1), "final": final, "top1": top1_of(target, final)}
+
+
+def generation_mask(ids: torch.Tensor, prompt_len: int, eos: int | None, mask_prompt: bool) -> torch.Tensor:
+    """bool [B,T]: positions whose prediction counts. With mask_prompt, only the continuation (the
+    prediction at prompt_len-1 is the first generated token); never past a generated EOS (the eval stops)."""
+    B, T = ids.shape
+    mask = torch.ones(B, T, dtype=torch.bool, device=ids.device)
+    if mask_prompt:
+        mask[:, : prompt_len - 1] = False
+    if eos is not None:
+        gen_eos = (ids == eos) & (torch.arange(T, device=ids.device) >= prompt_len)
+        mask &= torch.cumsum(gen_eos.to(torch.int64), dim=1) == 0  # positions from the first generated EOS on
+    return mask
+
+
+# --- sequences and shards -------------------------------------------------------------------------------
+def windows(stream: torch.Tensor, n: int, length: int, seed: int) -> torch.Tensor:
+    """n windows of `length` tokens at seeded random offsets of the stream (fewer if it is too short)."""
+    if len(stream) < length:
+        raise ValueError(f"a split has {len(stream)} tokens, fewer than one window of {length}: use more data")
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(stream) - length + 1, (n,), generator=g)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()]).long()
+
+
+def shard_name(split: str, i: int) -> str:
+    return f"{split}-{i:05d}.safetensors"
+
+
+def write_shard(path: Path, shard: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    tensors = {
+        "ids": shard["ids"].to(torch.int32),
+        "taps": shard["taps"].to(dtype),
+        "final": shard["final"].to(dtype),
+        "top1": shard["top1"].to(torch.int32),
+        "mask": shard["mask"].bool(),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(tmp))
+    tmp.replace(path)
+
+
+def load_taps(path, split: str) -> dict[str, torch.Tensor]:
+    """All shards of a split, concatenated: ids/top1 int64, mask bool, taps/final in the stored dtype."""
+    path = Path(path)
+    index = json.loads((path / INDEX).read_text())
+    shards = [load_file(str(path / f)) for f in index["shards"][split]]
+    if not shards:
+        raise ValueError(f"{path}: no {split} shards")
+    out = {k: torch.cat([s[k] for s in shards]) for k in FIELDS}
+    out["ids"], out["top1"] = out["ids"].long(), out["top1"].long()
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# --- the stage ------------------------------------------------------------------------------------------
+def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
+    from models import load_target
+    from tokenizers import Tokenizer
+    from tqdm import tqdm
+
+    tc = cfg.taps
+    t0 = time.perf_counter()
+    source = str(tc.source)
+    if source not in ("generate", "corpus"):
+        raise ValueError(f"taps.source must be 'generate' or 'corpus', got {source!r}")
+    T, P = int(tc.seq_len), int(tc.prompt_len)
+    if source == "generate" and not 1 <= P < T:
+        raise ValueError(f"taps.prompt_len={P} must be in [1, taps.seq_len={T})")
+    dtype = getattr(torch, str(tc.dtype))
+    device = torch.device(cfg.device)
+    target_dir = Path(upstream["target"].path)
+    target = load_target(target_dir, max_seq_len=None).to(device).eval()
+    if T > target.cfg.max_seq_len:
+        raise ValueError(f"taps.seq_len={T} exceeds the target's max_seq_len={target.cfg.max_seq_len}")
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    eos = data.eos_id(tokenizer)
+
+    docs = data.documents(OmegaConf.to_container(cfg.data, resolve=True))
+    counts = {"train": int(tc.train_sequences), "held_out": int(tc.held_out_sequences)}
+    length = P if source == "generate" else T
+    sequences = {}
+    for k, split in enumerate(SPLITS):
+        stream = torch.from_numpy(data.encode(tokenizer, data.split(docs, split)).astype(np.int64))
+        sequences[split] = windows(stream, counts[split], length, int(cfg.seed) * 1_000_003 + k)
+    log.info("taps: %s, %d train + %d held-out sequences of %d tokens (%.1f s to tokenize)", source,
+             counts["train"], counts["held_out"], T, time.perf_counter() - t0)
+
+    scratch = scratch_dir()
+    per_shard, bs = int(tc.shard_sequences), int(tc.batch_size)
+    shards: dict[str, list[str]] = {s: [] for s in SPLITS}
+    tokens = {s: 0 for s in SPLITS}
+    counted = {s: 0 for s in SPLITS}
+    resumed, t_gen = 0, time.perf_counter()
+    for split in SPLITS:
+        seqs = sequences[split]
+        n_shards = (len(seqs) + per_shard - 1) // per_shard
+        bar = tqdm(total=len(seqs), desc=f"taps {split}", unit="seq", mininterval=2.0, dynamic_ncols=True)
+        for i in range(n_shards):
+            name = shard_name(split, i)
+            part = seqs[i * per_shard : (i + 1) * per_shard]
+            if (scratch / name).is_file():
+                resumed += 1
+            else:
+                pieces = []
+                for b in range(0, len(part), bs):
+                    x = part[b : b + bs].to(device)
+                    piece = generate_tapped(target, x, T) if source == "generate" else tap_sequences(target, x)
+                    piece["mask"] = (generation_mask(piece["ids"], P, eos, bool(tc.mask_prompt))
+                                     if source == "generate" else torch.ones_like(piece["ids"], dtype=torch.bool))
+                    pieces.append({k: v.cpu() for k, v in piece.items()})
+                    bar.update(len(x))
+                write_shard(scratch / name, {k: torch.cat([p[k] for p in pieces]) for k in FIELDS}, dtype)
+            if bar.n < (i + 1) * per_shard:
+                bar.update(min(len(seqs), (i + 1) * per_shard) - bar.n)
+            mask = load_file(str(scratch / name))["mask"]
+            tokens[split] += mask.numel()
+            counted[split] += int(mask.sum())
+            shards[split].append(name)
+            tracking.log_metrics({f"{split}_sequences_done": min(len(seqs), (i + 1) * per_shard)}, step=i + 1)
+        bar.close()
+    gen_seconds = time.perf_counter() - t_gen
+
+    for split in SPLITS:
+        for name in shards[split]:
+            shutil.move(str(scratch / name), str(out / name))
+    index = {
+        "source": source, "seq_len": T, "prompt_len": P if source == "generate" else 0,
+        "tap_layers": list(target.cfg.taps), "hidden_size": target.cfg.hidden_size,
+        "vocab_size": target.cfg.vocab_size, "dtype": str(tc.dtype), "eos_id": eos,
+        "mask_prompt": bool(tc.mask_prompt) if source == "generate" else False, "shards": shards,
+    }
+    (out / INDEX).write_text(json.dumps(index, indent=2))
+    bytes_written = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    report = {
+        "source": source,
+        "target_key": upstream["target"].key,
+        "tap_layers": list(target.cfg.taps),
+        "tokenizer_sha256": sha256_file(target_dir / "tokenizer.json"),
+        "seq_len": T,
+        "train_sequences": counts["train"],
+        "held_out_sequences": counts["held_out"],
+        "train_tokens": tokens["train"],
+        "held_out_tokens": tokens["held_out"],
+        "train_counted_tokens": counted["train"],
+        "held_out_counted_tokens": counted["held_out"],
+        "bytes_written": bytes_written,
+        "shards_resumed": resumed,
+        "tokens_per_s": round((tokens["train"] + tokens["held_out"]) / max(gen_seconds, 1e-9), 1),
+    }
+    log.info("taps: %d train + %d held-out tokens, %.1f MB, %.1f s", tokens["train"], tokens["held_out"],
+             bytes_written / 1e6, time.perf_counter() - t0)
+    return report

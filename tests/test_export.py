@@ -1,0 +1,288 @@
+"""The export stage and its .pte: one program whose target_verify serves every T in [2, max_m].
+
+A tiny target (2 layers, hidden 64, vocab 256, max_seq_len 64) and a draft over a 128-token draft vocab
+with a real (non-identity) d2t are saved as target/draft artifacts; the export stage lowers them ONCE per
+backend (session scope) and every test runs the real executorch.runtime against the eager Speculator
+loaded from the same artifacts. int4 lowering takes minutes even for this model: EXPORT_TEST_INT4=1 adds it.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from models import load_target, save_speculators, save_target, tiny_draft, tiny_target
+from pipeline.store import Artifact
+from pipeline.stages import export as export_stage
+from pipeline import export_pte as export_lib
+
+MAX_M, CHAIN, MIN_PREFILL, MAX_PREFILL, MAX_SEQ = 4, 2, 5, 16, 64
+BACKENDS = [("portable", "none"), ("xnnpack", "none")]
+if os.environ.get("EXPORT_TEST_INT4"):
+    BACKENDS.append(("xnnpack", "int4"))
+
+
+def export_cfg(**over):
+    ec = dict(backend="xnnpack", quant="none", group_size=32, max_m=MAX_M, chain=CHAIN,
+              max_prefill_chunk=MAX_PREFILL, min_prefill_chunk=MIN_PREFILL)
+    ec.update(over)
+    return OmegaConf.create({"export": ec})
+
+
+def make_target(seed=0, n_layers=2, **over):
+    return tiny_target(seed=seed, n_layers=n_layers, max_seq_len=MAX_SEQ, **over)
+
+
+def make_draft(target, seed=1, **over):
+    draft = tiny_draft(target, seed=seed, draft_vocab_size=128, **over)
+    used = torch.randperm(target.cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:128].sort().values
+    draft.set_vocab_map(used)
+    return draft
+
+
+def save_pair(root, target, draft, name="pair", target_key="t" * 64, draft_upstream=None):
+    tdir, ddir = root / f"{name}_target", root / f"{name}_draft"
+    save_target(target, tdir)
+    (tdir / "tokenizer.json").write_text('{"stand-in": "tokenizer"}')
+    save_speculators(draft, ddir)
+    t_art = Artifact("target", target_key, tdir, {"upstream": {}, "report": {}})
+    d_art = Artifact("draft", "d" * 64, ddir, {"upstream": draft_upstream or {}, "report": {}})
+    return t_art, d_art
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory):
+    target = make_target()
+    return save_pair(tmp_path_factory.mktemp("artifacts"), target, make_draft(target))
+
+
+@pytest.fixture(scope="session", params=BACKENDS, ids=lambda p: "-".join(p))
+def exported(request, pair, tmp_path_factory):
+    """One exported program per backend, as a namespace: path, report, backend, quant, eager() (a fresh
+    eager Speculator with the same weights), the export arguments, and the expected manifest hash.
+
+    portable reuses conftest's `tiny_pte` (built with export_pte directly, shared with the runner tests);
+    xnnpack (and int4) run the export stage itself on the saved `pair` artifacts.
+    """
+    backend, quant = request.param
+    if backend == "portable":
+        t = request.getfixturevalue("tiny_pte")
+        spec = t.speculator()
+        return types.SimpleNamespace(
+            path=t.path, report=t.report, backend=backend, quant=quant, eager=t.speculator, max_m=t.max_m,
+            chain_len=t.chain_len, min_prefill_chunk=t.min_prefill_chunk, max_prefill_chunk=t.max_prefill_chunk,
+            vocab_size=spec.target.cfg.vocab_size, draft_vocab_size=spec.draft.cfg.draft_vocab_size,
+            max_seq_len=spec.target.cfg.max_seq_len, manifest_hash=t.report["manifest_hash"])
+    out = tmp_path_factory.mktemp(f"export_{backend}_{quant}")
+    report = export_stage.run(export_cfg(backend=backend, quant=quant), {"target": pair[0], "draft": pair[1]}, out)
+    facts = export_stage.pairing_facts(pair[0].path, pair[1].path, eager(pair))
+    return types.SimpleNamespace(
+        path=out / export_stage.PTE, report=report, backend=backend, quant=quant, eager=lambda: eager(pair, quant),
+        max_m=MAX_M, chain_len=CHAIN, min_prefill_chunk=MIN_PREFILL, max_prefill_chunk=MAX_PREFILL,
+        vocab_size=256, draft_vocab_size=128, max_seq_len=MAX_SEQ, manifest_hash=export_stage.hash_facts(facts))
+
+
+def eager(pair, quant="none"):
+    """A fresh eager Speculator with the stage's weights (int4: quantized the same way)."""
+    spec = export_stage.load_pair(pair[0].path, pair[1].path)
+    if quant == "int4":
+        export_lib.quantize_int4(spec, 32)
+    return spec
+
+
+def program(path):
+    from executorch.runtime import Runtime
+
+    return Runtime.get().load_program(path)
+
+
+def call(prog, method, *inputs):
+    return prog.load_method(method).execute(list(inputs))
+
+
+def tol(quant):  # int4: the eager reference fakes the integer kernels
+    return dict(atol=1e-4, rtol=1e-4) if quant == "none" else dict(atol=5e-2, rtol=5e-2)
+
+
+PROMPT = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(7))
+
+
+def pos(a, b):
+    return torch.arange(a, b, dtype=torch.int64)
+
+
+# --- the program against the eager module --------------------------------------------------------------
+def test_target_verify_matches_eager_for_every_T(exported):
+    x = exported
+    prog, spec = program(x.path), x.eager()
+    with torch.no_grad():
+        want = spec.prefill(PROMPT[:, :8], pos(0, 8))
+        got = call(prog, "prefill", PROMPT[:, :8], pos(0, 8))
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], **tol(x.quant))
+        for T in range(2, x.max_m + 1):
+            want = spec.target_verify(PROMPT[:, 8:8 + T], pos(8, 8 + T))
+            got = call(prog, "target_verify", PROMPT[:, 8:8 + T], pos(8, 8 + T))
+            assert got[0].shape == (1, T) and torch.equal(got[0], want[0]), f"T={T}"
+            torch.testing.assert_close(got[1], want[1], **tol(x.quant), msg=f"feature T={T}")
+            torch.testing.assert_close(got[2], want[2], **tol(x.quant), msg=f"logits T={T}")
+        want = spec.target_decode(PROMPT[:, 12:13], pos(12, 13))
+        got = call(prog, "target_decode", PROMPT[:, 12:13], pos(12, 13))
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], **tol(x.quant))
+
+
+def test_verify_after_prefill_sees_the_prefill_cache(exported):
+    """prefill -> draft_decode -> target_verify in one program equals a full stateless recompute.
+
+    A program whose verify did not see prefill's cache (not shared, or clobbered by draft_decode's
+    arena) would match a fresh program instead, which is checked to differ.
+    """
+    x, M = exported, exported.max_m
+    spec, prog = x.eager(), program(x.path)
+    with torch.no_grad():
+        _, feature, _ = call(prog, "prefill", PROMPT[:, :8], pos(0, 8))
+        call(prog, "draft_decode", PROMPT[:, 1:9], feature, pos(0, 8))
+        ids, verify_feature, logits = call(prog, "target_verify", PROMPT[:, 8:8 + M], pos(8, 8 + M))
+        full_logits = spec.target(PROMPT[:, :8 + M])  # stateless: causal over the whole sequence
+        torch.testing.assert_close(logits, full_logits[:, 8:], **tol(x.quant))
+        assert torch.equal(ids, full_logits[:, 8:].argmax(-1))
+        # the K=0 step continues the same cache
+        got = call(prog, "target_decode", PROMPT[:, 8 + M:9 + M], pos(8 + M, 9 + M))
+        torch.testing.assert_close(got[1], spec.target(PROMPT[:, :9 + M])[:, -1:], **tol(x.quant))
+
+        _, fresh_feature, fresh_logits = call(program(x.path), "target_verify", PROMPT[:, 8:8 + M], pos(8, 8 + M))
+    assert (fresh_logits - logits).abs().max() > 1e-2
+    assert (fresh_feature - verify_feature).abs().max() > 1e-2
+
+
+def test_draft_decode_matches_eager_seed_then_single_steps(exported):
+    x = exported
+    prog, spec = program(x.path), x.eager()
+    with torch.no_grad():
+        _, feature, _ = spec.prefill(PROMPT[:, :8], pos(0, 8))
+        want = spec.draft_decode(PROMPT[:, 1:9], feature, pos(0, 8))  # seed: T = 8
+        got = call(prog, "draft_decode", PROMPT[:, 1:9], feature, pos(0, 8))
+        for p in range(8, 11):  # then single steps feeding back g
+            assert torch.equal(got[0], want[0]), f"position {p}"
+            torch.testing.assert_close(got[1], want[1], **tol(x.quant))
+            tok, g = want[0][:, -1:], want[1][:, -1:]
+            want = spec.draft_decode(tok, g, pos(p, p + 1))
+            got = call(prog, "draft_decode", tok, g, pos(p, p + 1))
+        assert torch.equal(got[0], want[0])
+    assert bool(spec.draft.t2d[got[0]].all()), "draft_decode must return TARGET-vocab ids (d2t applied)"
+
+
+def test_window_above_max_m_is_refused_by_the_runtime(exported):
+    M = exported.max_m
+    prog = program(exported.path)
+    with pytest.raises(RuntimeError):
+        call(prog, "target_verify", PROMPT[:, :M + 1], pos(0, M + 1))
+    with pytest.raises(RuntimeError):
+        call(prog, "target_decode", PROMPT[:, :2], pos(0, 2))
+    ids = call(prog, "target_verify", PROMPT[:, :M], pos(0, M))[0]  # the program still works
+    assert ids.shape == (1, M)
+
+
+def test_constant_methods_read_back(exported):
+    x = exported
+    prog, spec = program(x.path), x.eager()
+    want = {"get_max_m": x.max_m, "get_chain_len": x.chain_len, "get_max_seq_len": x.max_seq_len,
+            "get_vocab_size": x.vocab_size, "get_draft_vocab_size": x.draft_vocab_size,
+            "get_max_prefill_chunk": x.max_prefill_chunk, "get_min_prefill_chunk": x.min_prefill_chunk,
+            "get_hidden_size": 64, "get_backend": x.backend, "get_quant": x.quant,
+            "get_manifest_hash": x.manifest_hash}
+    for name, value in want.items():
+        assert call(prog, name) == [value], name
+    assert x.report["manifest_hash"] == x.manifest_hash and len(x.manifest_hash) == 64
+    (d2t,) = call(prog, "get_d2t")
+    assert d2t.dtype == torch.int64 and torch.equal(d2t, spec.draft.d2t) and d2t.any()
+    assert x.report["t_range"]["target_verify"] == [2, x.max_m]
+    assert x.report["t_range"]["prefill"] == [x.min_prefill_chunk, x.max_prefill_chunk]
+    assert x.report["t_range"]["draft_decode"] == [1, max(x.max_prefill_chunk, x.max_m)]
+    assert set(x.report["ops_outside_delegate"]) == set(export_lib.METHODS)
+    if x.backend == "xnnpack":
+        assert all(x.report["delegate_calls"][m] > 0 for m in export_lib.METHODS)
+
+
+# --- refusals before any lowering ----------------------------------------------------------------------
+@pytest.fixture
+def no_lowering(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("lowering started although the configuration should have been refused")
+
+    monkeypatch.setattr(export_lib, "export", fail)
+    monkeypatch.setattr(export_stage, "export_pte", fail)
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(max_m=1), r"max_m=1.*>= 2"),
+    (dict(max_m=MAX_SEQ + 1, min_prefill_chunk=MAX_SEQ + 2), r"max_m=65 is larger than .*max_seq_len=64"),
+    (dict(min_prefill_chunk=MAX_M), r"prefill T range \[4, 16\] straddles the dispatch threshold"),
+    (dict(min_prefill_chunk=2), r"straddles the dispatch threshold MATVEC_MAX_M"),
+    (dict(chain=MAX_M), r"chain=4.*\[1, 3\]"),
+    (dict(chain=0), r"chain=0"),
+    (dict(backend="portable", quant="int4"), r"int4 needs export=xnnpack"),
+    (dict(backend="cuda"), r"backend='cuda'"),
+    (dict(max_prefill_chunk=MAX_SEQ + 1), r"max_seq_len=64"),
+])
+def test_bad_export_config_is_refused_before_lowering(over, match, pair, tmp_path, no_lowering):
+    with pytest.raises(ValueError, match=match):
+        export_stage.run(export_cfg(**over), {"target": pair[0], "draft": pair[1]}, tmp_path)
+
+
+def test_export_pte_checks_its_arguments_before_tracing(pair, tmp_path, no_lowering):
+    spec = eager(pair)
+    common = dict(chain_len=1, max_prefill_chunk=16, min_prefill_chunk=5, out_path=tmp_path / "m.pte",
+                  manifest_hash="0" * 64)
+    with pytest.raises(ValueError, match="max_m"):
+        export_lib.export_pte(spec, max_m=1, **common)
+    with pytest.raises(ValueError, match="straddles"):
+        export_lib.export_pte(spec, max_m=8, **{**common, "min_prefill_chunk": 8})
+    with pytest.raises(ValueError, match="manifest_hash"):
+        export_lib.export_pte(spec, max_m=4, **{**common, "manifest_hash": "not-a-hash"})
+
+
+def test_dispatch_rule_is_one_function():
+    check = export_lib.check_dispatch_windows
+    check({"target_verify": (2, 8), "prefill": (9, 128), "draft": (1, 1)}, {"t": 8})
+    with pytest.raises(ValueError, match=r"target_verify T range \[2, 8\] straddles .* t = 4"):
+        check({"target_verify": (2, 8)}, {"t": 4})
+    with pytest.raises(ValueError, match="min_prefill_chunk"):
+        check({"prefill": (8, 128)}, {"t": 8})
+
+
+@pytest.mark.parametrize("case, match", [
+    ("other_target", r"embed_tokens differs"),
+    ("taps", r"tap layers"),
+    ("hidden", r"hidden size"),
+    ("vocab", r"vocab"),
+    ("lineage", r"built for target"),
+])
+def test_draft_that_does_not_fit_the_target_is_refused_before_lowering(case, match, tmp_path, no_lowering):
+    target = make_target(n_layers=3) if case == "taps" else make_target()  # 2 layers allow only taps (0, 1, 2)
+    if case == "other_target":  # same shapes, trained for another target (its embedding copy differs)
+        draft = make_draft(make_target(seed=5))
+    elif case == "taps":
+        draft = make_draft(target, tap_layers=(0, 1, 2))  # the target's are (1, 2, 3)
+    elif case == "hidden":
+        draft = make_draft(make_target(hidden_size=32, head_dim=8))
+    elif case == "vocab":
+        draft = make_draft(make_target(vocab_size=512))
+    else:
+        draft = make_draft(target)
+    upstream = {"target": "x" * 64} if case == "lineage" else None
+    t_art, d_art = save_pair(tmp_path, target, draft, draft_upstream=upstream)
+    with pytest.raises(ValueError, match=match):
+        export_stage.run(export_cfg(), {"target": t_art, "draft": d_art}, tmp_path / "out")
+
+
+def test_stage_loads_the_stored_target_unchanged(pair):
+    spec = export_stage.load_pair(pair[0].path, pair[1].path)
+    stored = load_target(pair[0].path)
+    assert torch.equal(spec.target.embed_tokens.weight, stored.embed_tokens.weight)
+    assert spec.draft.check_gaps, "the draft's eager guard must be back on after loading/exporting"

@@ -1,0 +1,111 @@
+"""INT4 small-M GEMM: the format, the kernel against its reference for every M, split-K, export tracing.
+
+CPU runs use Triton's interpreter. `kernels` decides compile-or-interpret when a kernel is launched (see
+kernels/_jit.py), so the fixture below may set TRITON_INTERPRET after any other module imported triton.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kernels import int4_gemm as G
+
+MAX_M = 8
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def seed():
+    s = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(s)
+    return s
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def reference64(x, packed, scale, zero, group):
+    return x.double() @ G.dequantize_int4(packed, scale, zero, group, torch.float64).t()
+
+
+def test_packing_puts_even_k_in_the_low_nibble(seed):
+    w = torch.randn(8, 64)
+    packed, scale, zero = G.quantize_int4(w, 32)
+    q = G.unpack_int4(packed)
+    assert torch.equal(packed & 0xF, q[:, 0::2]) and torch.equal(packed >> 4, q[:, 1::2])
+    assert packed.shape == (8, 32) and scale.shape == zero.shape == (2, 8)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_quantisation_error_is_within_one_step(seed, group):
+    w = torch.randn(16, 256) * 3
+    packed, scale, zero = G.quantize_int4(w, group)
+    err = (G.dequantize_int4(packed, scale, zero, group, torch.float32) - w).abs()
+    step = scale.float().t().repeat_interleave(group, dim=1)
+    assert (err <= step + 1e-6).all(), f"seed {seed}"  # half a step, plus half for the rounded zero
+
+
+@pytest.mark.parametrize("group,config", [
+    (32, (64, 64, 1, 4, 1)),    # N=80 leaves a masked tile edge
+    (128, (32, 128, 2, 4, 1)),  # split-K: partials + last-arriver reduce
+])
+def test_kernel_matches_reference_for_every_m(interpret, seed, group, config):
+    N, K = 80, 256
+    packed, scale, zero = G.quantize_int4(torch.randn(N, K), group)
+    for M in range(1, MAX_M + 1):
+        x = torch.randn(M, K).to(torch.bfloat16)
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+        G.launch_int4_mm(x, packed, scale, zero, group, config, out=out)
+        assert not out.isnan().any(), f"unwritten outputs at M={M} (seed {seed})"
+        # 1e-2: the interpreter truncates fp32 -> bf16 (twice the GPU's round-to-nearest error)
+        assert rel_err(out, reference64(x, packed, scale, zero, group)) < 1e-2, f"M={M} seed {seed}"
+    if config[2] > 1:
+        assert not G.counters(torch.device("cpu")).any(), "split-K arrival counters must be reset"
+
+
+def test_op_matches_plain_reference(interpret, seed):
+    packed, scale, zero = G.quantize_int4(torch.randn(64, 128), 32)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    out = G.int4_mm(x, packed, scale, zero, 32)
+    assert rel_err(out, G.int4_mm_reference(x, packed, scale, zero, 32)) < 2e-2
+
+
+def test_op_traces_into_an_exported_graph(interpret):
+    packed, scale, zero = G.quantize_int4(torch.randn(64, 128), 128)
+
+    class Lin(torch.nn.Module):
+        def forward(self, x):
+            return G.int4_mm(x, packed, scale, zero, 128)
+
+    m = torch.export.Dim("m", min=1, max=MAX_M)
+    ep = torch.export.export(Lin(), (torch.randn(4, 128).to(torch.bfloat16),), dynamic_shapes=({0: m},))
+    assert any("int4_mm" in str(n.target) for n in ep.graph.nodes)
+    x = torch.randn(7, 128).to(torch.bfloat16)
+    assert rel_err(ep.module()(x), reference64(x, packed, scale, zero, 128)) < 1e-2
+
+
+def test_more_rows_than_the_kernel_takes_are_refused():
+    packed, scale, zero = G.quantize_int4(torch.randn(64, 128), 128)
+    with pytest.raises(ValueError, match="M <= 16"):
+        G.launch_int4_mm(torch.randn(17, 128).to(torch.bfloat16), packed, scale, zero, 128)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("group", [32, 128])
+def test_gpu_kernel_matches_reference(seed, group):
+    N, K = 3000, 4096  # N not a multiple of any BLOCK_N
+    packed, scale, zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K), group))
+    for M in range(1, 17):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        for config in (None, (64, 128, 4, 4, 3), (128, 256, 1, 8, 3)):
+            out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            G.launch_int4_mm(x, packed, scale, zero, group, config, out=out)
+            assert not out.isnan().any(), f"unwritten outputs M={M} {config} seed {seed}"
+            assert rel_err(out, reference64(x, packed, scale, zero, group)) < 4e-3, f"M={M} {config} seed {seed}"

@@ -1,0 +1,92 @@
+"""Split-K mid-M SDPA against its plain reference: every M, GQA, causal tail, valid length and window,
+empty splits, the model's strided q, export tracing. CPU runs use Triton's interpreter (see
+kernels/_jit.py for why setting TRITON_INTERPRET in a fixture is enough)."""
+
+import os
+
+import pytest
+import torch
+
+from kernels import sdpa_midm as S
+
+MAX_M = 8
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def seed():
+    s = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(s)
+    return s
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def model_q(B, Hq, M, D, device="cpu"):
+    """q as the model makes it: a [B, Hq, M, D] view of a [B, M, Hq, D] buffer."""
+    return torch.randn(B, M, Hq, D, device=device).to(torch.bfloat16).transpose(1, 2)
+
+
+def check(q, k, v, q_pos, valid_len=None, window=0, tol=1e-2, **launch):
+    out = S.launch_sdpa(q, k, v, q_pos, valid_len, window, **launch)
+    ref = S.sdpa_reference(q.double(), k.double(), v.double(), q_pos, valid_len, window)
+    assert out.shape == ref.shape and not out.isnan().any()
+    return rel_err(out, ref) < tol
+
+
+def test_every_m_with_gqa_and_a_causal_tail(interpret, seed):
+    B, Hkv, G, L, D = 1, 2, 4, 200, 32
+    k, v = (torch.randn(B, Hkv, L, D).to(torch.bfloat16) for _ in range(2))
+    for M in range(1, MAX_M + 1):
+        P = 150 + M  # rows at P..P+M-1: each row sees a different prefix
+        q_pos = torch.arange(P, P + M)
+        assert check(model_q(B, Hkv * G, M, D), k, v, q_pos, splits=4, block_n=32), f"M={M} seed {seed}"
+
+
+def test_valid_length_window_and_empty_splits(interpret, seed):
+    B, Hkv, G, L, D = 2, 1, 2, 160, 16
+    k, v = (torch.randn(B, Hkv, L, D).to(torch.bfloat16) for _ in range(2))
+    q_pos = torch.tensor([120, 121, 122])
+    q = model_q(B, Hkv * G, 3, D)
+    assert check(q, k, v, q_pos, torch.tensor([101]), splits=4, block_n=16), f"seed {seed}"  # 101 % 16 != 0
+    assert check(q, k, v, q_pos, window=37, splits=4, block_n=16), f"seed {seed}"
+    assert check(q, k, v, torch.tensor([5, 6, 7]), splits=8, block_n=16), f"seed {seed}"  # most splits empty
+
+
+def test_op_traces_into_an_exported_graph(interpret):
+    k, v = (torch.randn(1, 2, 64, 16).to(torch.bfloat16) for _ in range(2))
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, q_pos):
+            return S.sdpa_midm(q, k, v, q_pos)
+
+    t = torch.export.Dim("t", min=1, max=MAX_M)
+    ep = torch.export.export(Attn(), (torch.randn(1, 4, 3, 16).to(torch.bfloat16), torch.arange(30, 33)),
+                             dynamic_shapes=({2: t}, {0: t}))
+    assert any("sdpa_midm" in str(n.target) for n in ep.graph.nodes)
+    q, q_pos = torch.randn(1, 4, 5, 16).to(torch.bfloat16), torch.arange(40, 45)
+    assert rel_err(ep.module()(q, q_pos), S.sdpa_reference(q, k, v, q_pos)) < 1e-2
+
+
+def test_more_rows_than_the_kernel_takes_are_refused():
+    k = torch.randn(1, 1, 32, 16).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="M <= 16"):
+        S.launch_sdpa(torch.randn(1, 1, 17, 16).to(torch.bfloat16), k, k, torch.arange(17))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_matches_reference(seed):
+    B, Hkv, G, L, D = 1, 8, 4, 5000, 128
+    k, v = (torch.randn(B, Hkv, L, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+    for M in range(1, 17):
+        q_pos = torch.arange(4321, 4321 + M, device="cuda")
+        for launch in ({}, dict(splits=64, block_n=128, stages=2)):
+            assert check(model_q(B, Hkv * G, M, D, "cuda"), k, v, q_pos, torch.tensor([4900], device="cuda"),
+                         tol=4e-3, **launch), f"M={M} {launch} seed {seed}"

@@ -1,0 +1,112 @@
+"""The taps stage: batched greedy generation taps what the target itself computes, masks, shards, resume."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from models import save_target, tiny_target
+from pipeline import data
+from pipeline.stages import taps
+from pipeline.store import Artifact, Store
+
+CODE = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(300))
+
+
+@torch.no_grad()
+def test_batched_generation_equals_the_targets_own_greedy_and_taps():
+    target = tiny_target(seed=0, n_layers=3, max_seq_len=64)
+    prompts = torch.randint(2, 256, (3, 5))
+    out = taps.generate_tapped(target, prompts, 24)
+    logits, tapped = target(out["ids"], taps=True)  # stateless forward over the generated sequences
+    assert torch.equal(out["ids"][:, :5], prompts)
+    assert torch.equal(out["ids"][:, 5:], logits.argmax(-1)[:, 4:-1])  # greedy: each token = argmax before it
+    assert torch.equal(out["top1"], logits.argmax(-1))
+    torch.testing.assert_close(out["taps"], torch.cat(tapped, -1), rtol=1e-4, atol=1e-5)
+    final, _ = target.hidden(out["ids"])
+    torch.testing.assert_close(out["final"], final, rtol=1e-4, atol=1e-5)
+
+
+def test_generation_mask_counts_the_continuation_until_eos():
+    ids = torch.tensor([[5, 1, 5, 5, 5, 1, 5, 5], [5, 5, 5, 5, 5, 5, 5, 5]])
+    mask = taps.generation_mask(ids, prompt_len=3, eos=1, mask_prompt=True)
+    # position 2 predicts the first generated token; the generated EOS at 5 ends it (the prompt's EOS does not)
+    assert mask.tolist() == [[False, False, True, True, True, False, False, False],
+                             [False, False, True, True, True, True, True, True]]
+    assert taps.generation_mask(ids, 3, None, False).all()
+
+
+@pytest.fixture(scope="module")
+def target_artifact(tmp_path_factory):
+    root = tmp_path_factory.mktemp("taps")
+    (root / "corpus").mkdir()
+    for i in range(6):
+        (root / "corpus" / f"m{i}.py").write_text(CODE[i * 2000 : (i + 1) * 2000 + 3000])
+    cfg = OmegaConf.create({"kind": "text", "paths": [str(root / "corpus" / "*.py")], "held_out_fraction": 0.3})
+    docs = data.documents(OmegaConf.to_container(cfg))
+    tok = data.train_tokenizer(data.split(docs, "train"), vocab_size=300)
+    tdir = root / "target"
+    save_target(tiny_target(seed=0, n_layers=3, vocab_size=300, max_seq_len=64), tdir)
+    tok.save(str(tdir / "tokenizer.json"))
+    return Artifact(stage="target", key="t" * 64, path=tdir, manifest={}), cfg
+
+
+def stage_cfg(data_cfg, **taps_overrides):
+    tc = dict(source="generate", seq_len=32, prompt_len=8, mask_prompt=True, train_sequences=10,
+              held_out_sequences=4, shard_sequences=4, batch_size=3, dtype="float32")
+    tc.update(taps_overrides)
+    return OmegaConf.create({"device": "cpu", "seed": 0, "data": OmegaConf.to_container(data_cfg), "taps": tc})
+
+
+def build(store_root: Path, cfg, target_art):
+    store = Store(store_root)
+    art, _ = store.get_or_build("taps", "k" * 64, lambda out: taps.run(cfg, {"target": target_art}, out),
+                                config={}, upstream={"target": target_art.key}, schema_version=1)
+    return art
+
+
+@pytest.mark.parametrize("source", ["generate", "corpus"])
+def test_stage_writes_shards_index_and_report(tmp_path, target_artifact, source):
+    target_art, data_cfg = target_artifact
+    art = build(tmp_path, stage_cfg(data_cfg, source=source), target_art)
+    r = art.report
+    assert r["source"] == source and r["target_key"] == target_art.key and r["tap_layers"] == [1, 2, 3]
+    assert r["train_tokens"] == 10 * 32 and r["held_out_tokens"] == 4 * 32
+    assert r["bytes_written"] == sum(p.stat().st_size for p in art.path.iterdir() if p.name != "manifest.json")
+    assert len(r["tokenizer_sha256"]) == 64
+    train = taps.load_taps(art.path, "train")
+    assert train["ids"].shape == (10, 32) and train["taps"].shape == (10, 32, 3 * 64)
+    assert train["final"].shape == (10, 32, 64) and train["top1"].dtype == torch.int64
+    if source == "generate":  # on-policy: past the prompt every token is the target's argmax before it
+        assert torch.equal(train["ids"][:, 8:], train["top1"][:, 7:-1])
+        assert not train["mask"][:, :7].any() and train["mask"][:, 7:].all()
+        assert r["train_counted_tokens"] == 10 * 25
+    else:
+        assert train["mask"].all()
+
+
+def test_stage_resumes_shard_by_shard(tmp_path, target_artifact, monkeypatch):
+    target_art, data_cfg = target_artifact
+    cfg = stage_cfg(data_cfg)
+    reference = build(tmp_path / "ref", cfg, target_art)
+
+    real_write, calls = taps.write_shard, []
+
+    def crash_on_second(*args):
+        calls.append(args[0].name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("interrupted")
+        real_write(*args)
+
+    monkeypatch.setattr(taps, "write_shard", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path / "s", cfg, target_art)
+    monkeypatch.setattr(taps, "write_shard", real_write)
+    resumed = build(tmp_path / "s", cfg, target_art)
+    assert resumed.report["shards_resumed"] == 1
+    for name in reference.manifest["files"]:
+        if name.endswith(".safetensors"):
+            a, b = load_file(str(reference.path / name)), load_file(str(resumed.path / name))
+            assert all(torch.equal(a[k], b[k]) for k in a), name

@@ -1,0 +1,116 @@
+"""The target stage: the smoke target trains quickly, resumes exactly, and target=hf converts or refuses."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from models import load_target, tiny_target
+from models.hf import hf_weight_names
+from pipeline import tracking
+from pipeline.app import CONF_DIR, Job
+
+
+def compose_cfg(tmp_path: Path, *overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=["+experiment=smoke", "+stage=target", "tracking=none",
+                                                        f"paths.outputs={tmp_path / 'out'}", *overrides])
+
+
+def run_target(tmp_path: Path, *overrides: str):
+    job = Job(compose_cfg(tmp_path, *overrides), tmp_path / "job")
+    return job.run()["target"]
+
+
+def test_smoke_target_trains_in_under_a_minute(tmp_path):
+    t0 = time.perf_counter()
+    art = run_target(tmp_path)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 60, f"smoke target stage took {elapsed:.0f} s"
+    assert {"tokenizer.json", "config.json", "model.safetensors"} <= set(art.manifest["files"])
+    report = art.report
+    assert math.isfinite(report["held_out_loss"]) and report["held_out_loss"] < math.log(512), report
+    model = load_target(art.path)
+    assert model.cfg.n_layers == 4 and model.cfg.max_seq_len == 128
+    tok = Tokenizer.from_file(str(art.path / "tokenizer.json"))
+    text = "def add(a, b):\n    return a + b\n"
+    assert tok.decode(tok.encode(text).ids) == text, "byte-level BPE round-trips"
+    assert tok.token_to_id("<|bos|>") == 0 and tok.token_to_id("<|eos|>") == 1
+    with torch.no_grad():
+        logits = model(torch.tensor([tok.encode(text).ids]))
+    assert logits.shape[-1] == 512 and torch.isfinite(logits).all()
+
+
+def test_interrupted_training_resumes_to_the_same_model(tmp_path, monkeypatch):
+    overrides = ("target.train.steps=12", "target.train.log_every=4", "target.train.eval_every=6",
+                 "target.train.checkpoint_every_s=0", "data.max_bytes=200000")
+    straight = run_target(tmp_path / "a", *overrides)
+
+    real_log = tracking.log_metrics
+
+    def crash_at_8(metrics, step=None):
+        if step == 8:
+            raise KeyboardInterrupt("simulated crash")
+        real_log(metrics, step)
+
+    monkeypatch.setattr(tracking, "log_metrics", crash_at_8)
+    with pytest.raises(KeyboardInterrupt):
+        run_target(tmp_path / "b", *overrides)
+    scratch = list((tmp_path / "b" / "out" / "store" / ".scratch" / "target").iterdir())
+    assert len(scratch) == 1 and (scratch[0] / "train_state.pt").is_file()
+    monkeypatch.setattr(tracking, "log_metrics", real_log)
+    resumed = run_target(tmp_path / "b", *overrides)
+    assert resumed.report["resumed_at"] == 7  # the checkpoint written after step 7; step 8 crashed
+    assert resumed.key == straight.key
+    assert resumed.report["held_out_loss"] == pytest.approx(straight.report["held_out_loss"], abs=1e-5)
+    assert not scratch[0].exists(), "scratch removed after success"
+
+
+def write_hf_checkpoint(path: Path, tokenizer_from: Path) -> None:
+    """A 2-layer llama checkpoint in Hugging Face layout, written by hand from a random tiny target."""
+    model = tiny_target(seed=3, n_layers=2, vocab_size=512, max_seq_len=64)
+    c = model.cfg
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "rope_theta": c.rope_theta,
+        "rms_norm_eps": c.rms_norm_eps, "tie_word_embeddings": c.tie_embeddings, "max_position_embeddings": 64}))
+    ours = model.state_dict()
+    save_file({hf: ours[k].contiguous() for hf, k in hf_weight_names(c).items()}, str(path / "model.safetensors"))
+    (path / "tokenizer.json").write_bytes(tokenizer_from.read_bytes())
+    return model
+
+
+def test_hf_target_is_converted_to_our_format(tmp_path):
+    from pipeline import data
+
+    tok = data.train_tokenizer(["def f(x):\n    return x * 2\n" * 50], vocab_size=300)
+    tok.save(str(tmp_path / "tok.json"))
+    source = write_hf_checkpoint(tmp_path / "hf", tmp_path / "tok.json")
+    art = run_target(tmp_path, "target=hf", f"target.path={tmp_path / 'hf'}")
+    assert art.report["n_layers"] == 2 and art.report["source"] == str((tmp_path / "hf").absolute())
+    model = load_target(art.path)
+    tokens = torch.randint(0, 512, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), source.eval()(tokens))
+    assert (art.path / "tokenizer.json").read_bytes() == (tmp_path / "tok.json").read_bytes()
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "malformed"])
+def test_bad_hf_target_is_a_clear_error(tmp_path, case):
+    path = tmp_path / "ckpt"
+    if case != "missing":
+        path.mkdir()
+    if case == "malformed":
+        (path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises((FileNotFoundError, ValueError), match=r"target=hf|target\.path"):
+        run_target(tmp_path, "target=hf", f"target.path={path}")
