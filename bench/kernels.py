@@ -43,6 +43,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n
                  intermediate_size=14336, rope_theta=500000.0, rms_norm_eps=1e-5)
 
 RESULTS: dict = {}
+TUNE_SDPA = False
 OUT_PATH = None
 
 
@@ -107,7 +108,11 @@ def measure_bandwidth() -> float:
     n = 1 << 30  # 2 GiB of bf16
     a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     b = torch.empty_like(a)
-    us = time_calls([lambda: b.copy_(a)], reps=15, min_us=0)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 1.0:  # bring the clocks up from idle first
+        b.copy_(a)
+        torch.cuda.synchronize()
+    us = min(time_calls([lambda: b.copy_(a)], reps=20, min_us=0) for _ in range(2))
     del a, b
     torch.cuda.empty_cache()
     return 2 * n * 2 / (us * 1e-6)  # bytes read + written per second
@@ -136,17 +141,21 @@ def tinygemm_mm(x, w, sz, group):
 # ----------------------------------------------------------------------------- check
 
 def section_check():
+    RESULTS["check"] = {}
     try:
-        check_kernels()
+        check_int4()
     except Exception:
-        log(f"check with inline PTX failed; retrying with the plain-op unpack:\n{traceback.format_exc()[-1500:]}")
+        log(f"int4 check with inline PTX failed; retrying with the plain-op unpack:\n"
+            f"{traceback.format_exc()[-1500:]}")
         G.USE_PTX = False
         RESULTS["ptx_failed"] = traceback.format_exc()[-1500:]
-        check_kernels()
+        check_int4()
+    check_sdpa()
 
 
-def check_kernels():
-    out = {"use_ptx": G.USE_PTX}
+def check_int4():
+    out = RESULTS["check"]
+    out["use_ptx"] = G.USE_PTX
     global TINYGEMM_EVEN_HIGH
     for group in (32, 128):
         N, K = 3000, 4096
@@ -176,7 +185,11 @@ def check_kernels():
     out["tinygemm_rel_err"] = {str(k): v for k, v in errs.items()}
     out["tinygemm_even_k_high_nibble"] = TINYGEMM_EVEN_HIGH
     log(f"check tinygemm packing: {errs}")
-    # sdpa
+    save()
+
+
+def check_sdpa():
+    out = RESULTS["check"]
     worst = 0.0
     B, Hkv, Gq, L, D = 1, 8, 4, 5000, 128
     k, v = (torch.randn(B, Hkv, L, D, device="cuda").to(torch.bfloat16) for _ in range(2))
@@ -194,7 +207,6 @@ def check_kernels():
     assert worst < 1e-2, f"sdpa: rel err {worst}"
     out["sdpa_worst_rel_err"] = worst
     log(f"check sdpa: worst rel err {worst:.2e}")
-    RESULTS["check"] = out
     save()
 
 
@@ -212,8 +224,8 @@ def gemm_floor_bytes(M, K, N, group):
     return N * K / 2 + 2 * (K // group) * N * 2 + M * K * 2 + M * N * 2
 
 
-GEMM_CANDIDATES = [  # (BLOCK_N, BLOCK_K, warps, stages); SPLIT_K in {1, 2, 4} is added per shape
-    (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3),
+GEMM_CANDIDATES = [  # (BLOCK_N, BLOCK_K, warps, stages); SPLIT_K in {1, 2, 4, 8} is added per shape
+    (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
 ]
 
 
@@ -226,7 +238,7 @@ def section_tune():
         xs = {M: [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)] for M in (1, 8)}
         best, rows = None, []
         for bn, bk, warps, stages in GEMM_CANDIDATES:
-            for split in (1, 2, 4):
+            for split in (1, 2, 4, 8):
                 if K % (split * bk) or K // split < 512:
                     continue
                 tiles = math.ceil(N / bn)
@@ -253,6 +265,10 @@ def section_tune():
         del ops, xs
         torch.cuda.empty_cache()
     G.CONFIGS.update(table)
+    RESULTS["tune"] = dict(gemm_configs={f"{k[0]},{k[1]},{k[2]}": v for k, v in table.items()}, gemm=detail)
+    save()
+    if not TUNE_SDPA:
+        return
     # sdpa: block_n, warps, stages, programs per SM
     sdpa_rows, best = [], None
     for block_n, warps, stages, pps in [(64, 4, 3, 4), (64, 4, 4, 4), (128, 4, 2, 4), (128, 8, 3, 4),
@@ -418,6 +434,23 @@ def time_forward(model, ctx: int, T: int, reps: int = 30) -> float:
         return time_calls([lambda: model(tokens, pos)], reps=reps, min_us=0)
 
 
+def profile_forward(model, ctx: int, T: int, top: int = 14) -> dict:
+    """Kernel time of one eager cached forward, summed by kernel name (CUDA time, us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, T), device="cuda")
+    pos = torch.arange(ctx, ctx + T, device="cuda")
+    with torch.no_grad():
+        model(tokens, pos)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(tokens, pos)
+            torch.cuda.synchronize()
+    rows = [(e.key[:90], e.count, e.device_time_total) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[2])
+    return dict(kernels=sum(r[1] for r in rows), total_us=sum(r[2] for r in rows), top=rows[:top])
+
+
 def section_model():
     from kernels.transform import to_kernels
     from models.config import TargetConfig
@@ -447,6 +480,15 @@ def section_model():
         for m in (model, peer):
             set_cache_capacity(m, cap)
         torch.cuda.empty_cache()
+        if ctx == contexts[0]:
+            for name, m in (("ours", model), ("torch", peer)):
+                try:
+                    out[f"profile_{name}_T1"] = prof = profile_forward(m, ctx, 1)
+                    log(f"profile {name} T=1: {prof['kernels']} kernels, {prof['total_us']:.0f} us")
+                    for r in prof["top"]:
+                        log(f"   {r[2]:9.1f} us  x{r[1]:<4} {r[0]}")
+                except Exception as e:
+                    log(f"profile {name} failed: {e!r}")
         kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * 2
         for T in Ts:
             row = dict(ctx=ctx, T=T, floor_us=(weight_bytes + kv_bytes) / bw * 1e6)
@@ -502,7 +544,10 @@ def main():
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--only", default="check,gemm,sdpa,model")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-sdpa", action="store_true")
     args = ap.parse_args()
+    global TUNE_SDPA
+    TUNE_SDPA = args.tune_sdpa
     OUT_PATH = args.out
     props = torch.cuda.get_device_properties(0)
     RESULTS["env"] = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,

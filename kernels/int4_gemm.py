@@ -12,10 +12,11 @@ with M. Dequantisation costs one or two integer ops per weight: q | 0x4300 read 
 the products against x run on the tensor cores, and the group's affine map is applied to the [BLOCK_N, 16]
 partial sum instead of to every weight:
   sum_k x_k (q_k - z) s = s * (sum_k x_k (128 + q_k) - (128 + z) * sum_k x_k).
-The k order inside a group is permuted (on x and the weights alike) so that each thread's
-tensor-core fragment is 16 consecutive bytes of the packed row: one 16-byte load, and one prmt + one lop3
-per byte to form its bf16x2 register (inline PTX on the GPU; plain ops with the same values in the
-interpreter, so the CPU tests check the permutation). With SPLIT_K > 1 each program writes an fp32 partial; the last program of a column tile to
+The weights are read as 32-bit words; one shift + one lop3 turns nibbles s and s+4 of a
+word into a bf16x2 register. The k order inside a group is permuted (on x and the weights alike) so that
+each thread's tensor-core fragment comes from 4 contiguous words (one 16-byte load). All of it is
+elementwise tensor code, so the interpreter runs the same permutation the GPU does (only the single lop3
+is inline PTX, replaced by plain and/or there). With SPLIT_K > 1 each program writes an fp32 partial; the last program of a column tile to
 arrive (a per-tile counter, reset by that program) sums the partials in split order and writes the
 output, so the result is deterministic and the op is one launch.
 
@@ -82,49 +83,45 @@ def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     n_ok = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    half = tl.arange(0, GROUP // 2)
+    words = tl.arange(0, GROUP // 8)
     cols = tl.arange(0, GROUP)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * (K // 2)
+    w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n.to(tl.int64)[:, None] * (K // 8)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     k_len = tl.multiple_of(K // SPLIT_K, BLOCK_K)  # the launcher checks K % (SPLIT_K * BLOCK_K) == 0
     k_start = pid_k * k_len
+    Q: tl.constexpr = GROUP // 32
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, k_len, BLOCK_K):  # (offset loop: the interpreter cannot range over program ids)
         for j in tl.static_range(BLOCK_K // GROUP):
             kg = tl.multiple_of(k_start + k0 + j * GROUP, GROUP)
-            p = tl.load(w_rows + (kg // 2 + half)[None, :], mask=n_ok[:, None], other=0)
+            wd = tl.load(w_rows + (kg // 8 + words)[None, :], mask=n_ok[:, None], other=0)  # int32 words
             x = tl.load(x_rows + (kg + cols)[None, :], mask=m_ok[:, None], other=0.0)
-            # The product sums over k, so k may be reordered on both sides. Byte b = 16t + 2c + h of the
-            # group (t < 4, c < GROUP/16, h < 2) becomes pair 8c + 4h + t: then the 16 k-pairs a thread
-            # holds in the tensor-core fragment (pairs t + 4i) are 16 consecutive bytes, read in one
-            # 16-byte load, and each byte's two nibbles form one bf16x2 fragment register.
-            p = tl.reshape(tl.permute(tl.reshape(p, (BLOCK_N, 4, GROUP // 16, 2)), (0, 2, 3, 1)),
-                           (BLOCK_N, GROUP // 2))
-            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, 4, GROUP // 16, 2, 2)), (0, 2, 3, 1, 4)),
-                           (BLOCK_M, GROUP))
-            # bf16 bits 0x4300 | q = 128 + q exactly: w_pair = (128 + low nibble, 128 + high nibble)
-            if PTX:  # per 4 bytes: one shift, then per byte one prmt (gather both nibbles) + one lop3
-                pair = tl.inline_asm_elementwise(
-                    asm="""{
-                    .reg .b32 t, r0, r1, r2, r3;
-                    shr.u32 t, $4, 4;
-                    prmt.b32 r0, $4, t, 0x4440;
-                    prmt.b32 r1, $4, t, 0x5551;
-                    prmt.b32 r2, $4, t, 0x6662;
-                    prmt.b32 r3, $4, t, 0x7773;
-                    lop3.b32 $0, r0, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 $1, r1, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 $2, r2, 0x000F000F, 0x43004300, 0xEA;
-                    lop3.b32 $3, r3, 0x000F000F, 0x43004300, 0xEA;
-                    }""",
-                    constraints="=r,=r,=r,=r,r", args=[p], dtype=tl.int32, is_pure=True, pack=4)
-                lo = (pair & 0xFFFF).to(tl.int16)
-                hi = (pair >> 16).to(tl.int16)
-            else:  # the same values from plain ops (the interpreter has no inline PTX)
-                lo = (p & 0xF).to(tl.int16) | 0x4300
-                hi = (p >> 4).to(tl.int16) | 0x4300
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, GROUP)).to(tl.bfloat16, bitcast=True)
+            # Nibble s of a word holds k = 8 word + s (s < 8). (word >> 4s) & 0x000F000F | 0x43004300 is a
+            # bf16 pair (128 + q[s], 128 + q[s+4]) in one lop3 (bf16 bits 0x4300 | q = 128 + q exactly).
+            if PTX:  # force one lop3 per pair (ptxas leaves the and + or as two instructions)
+                o0 = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [wd],
+                                               dtype=tl.int32, is_pure=True, pack=1)
+                o1 = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [wd >> 4],
+                                               dtype=tl.int32, is_pure=True, pack=1)
+                o2 = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [wd >> 8],
+                                               dtype=tl.int32, is_pure=True, pack=1)
+                o3 = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [wd >> 12],
+                                               dtype=tl.int32, is_pure=True, pack=1)
+            else:  # the interpreter has no inline PTX: the same values from plain ops
+                o0 = (wd & 0x000F000F) | 0x43004300
+                o1 = ((wd >> 4) & 0x000F000F) | 0x43004300
+                o2 = ((wd >> 8) & 0x000F000F) | 0x43004300
+                o3 = ((wd >> 12) & 0x000F000F) | 0x43004300
+            o = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [BLOCK_N, GROUP/8 words, 4 shifts s]
+            # The product sums over k, so k may be reordered on both operands. Word 4t + v (t < 4,
+            # v < GROUP/32) shift s becomes fragment pair (v * 4 + s) * 4 + t: a thread holds pairs
+            # t + 4i of each row in the tensor-core fragment, so its 16 pairs are its own 4 contiguous words
+            # (one 16-byte load); x is gathered in the same order.
+            o = tl.reshape(tl.permute(tl.reshape(o, (BLOCK_N, 4, Q, 4)), (0, 2, 3, 1)), (BLOCK_N, GROUP // 2))
+            w = tl.reshape(tl.join((o & 0xFFFF).to(tl.int16), (o >> 16).to(tl.int16)), (BLOCK_N, GROUP))
+            w = w.to(tl.bfloat16, bitcast=True)
+            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, 4, Q, 2, 4)), (0, 2, 4, 1, 3)), (BLOCK_M, GROUP))
             part = tl.dot(w, tl.trans(x))  # = sum_k x (q - z) + (128 + z) X,  X = the group's sum of x
             x_sum = tl.sum(x.to(tl.float32), axis=1)
             g = kg // GROUP

@@ -115,10 +115,10 @@ def _sdpa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, vlen_ptr, ml_ptr, acc_ptr,
     tl.store(acc_ptr + (part * BLOCK_R + r)[:, None] * D + d[None, :], acc)
 
 
-@lazy_jit(do_not_specialize=["M"])
+@lazy_jit(do_not_specialize=["M", "SPLITS"])
 def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_om,
-                        H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                        D: tl.constexpr, SPLITS: tl.constexpr):
+                        SPLITS, H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr,
+                        BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS_P2: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_r = tl.program_id(1)  # = g * M + m over the valid rows
     g = pid_r // M
@@ -126,14 +126,15 @@ def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_
     r = g * M_PAD + m
     b = pid_bh // H_KV
     h = pid_bh % H_KV
-    s = tl.arange(0, SPLITS)
+    s = tl.arange(0, SPLITS_P2)
+    s_ok = s < SPLITS
     part = pid_bh * SPLITS + s
-    m_s = tl.load(ml_ptr + (part * 2) * BLOCK_R + r)
-    l_s = tl.load(ml_ptr + (part * 2 + 1) * BLOCK_R + r)
+    m_s = tl.load(ml_ptr + (part * 2) * BLOCK_R + r, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(ml_ptr + (part * 2 + 1) * BLOCK_R + r, mask=s_ok, other=0.0)
     m_max = tl.max(m_s, axis=0)
     w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_max))
     d = tl.arange(0, D)
-    acc = tl.load(acc_ptr + (part * BLOCK_R + r)[:, None] * D + d[None, :])
+    acc = tl.load(acc_ptr + (part * BLOCK_R + r)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_s, axis=0)
     tl.store(o_ptr + b * stride_ob + (h * G + g) * stride_oh + m * stride_om + d, out.to(o_ptr.dtype.element_ty))
 
@@ -141,7 +142,7 @@ def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_
 # ----------------------------------------------------------------------------- launch
 
 # Launch configuration, set from the one tuning run on the H200 (bench/NOTES.md).
-CONFIG = dict(block_n=64, warps=4, stages=3, programs_per_sm=4, min_tiles_per_split=4)
+CONFIG = dict(block_n=64, warps=4, stages=3, programs_per_sm=2, min_tiles_per_split=4)
 
 
 def default_splits(L: int, heads: int, block_n: int, sms: int = 132) -> int:
@@ -180,8 +181,8 @@ def launch_sdpa(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | 
         H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, BLOCK_N=block_n, D=D,
         HAS_VLEN=valid_len is not None, HAS_WINDOW=window > 0, num_warps=warps, num_stages=stages)
     _sdpa_reduce_kernel[(B * Hkv, G * M)](
-        ml, acc, out, M, out.stride(0), out.stride(1), out.stride(2),
-        H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, D=D, SPLITS=splits, num_warps=4)
+        ml, acc, out, M, out.stride(0), out.stride(1), out.stride(2), splits,
+        H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, D=D, SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
     return out
 
 

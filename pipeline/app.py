@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -93,6 +95,25 @@ def plan_keys(cfg: DictConfig, mods: dict[str, ModuleType]) -> dict[str, str | N
     return keys
 
 
+def needed_stages(mods: dict[str, ModuleType], keys: dict[str, str | None], store: Store) -> set[str]:
+    """The stages this job must load or build: the last one, and, transitively, the upstream of every
+    needed stage whose artifact is not in the store yet (the eval stage always runs, so it needs all its
+    upstream). A cached draft, say, means the taps are never loaded."""
+    needed: set[str] = set()
+
+    def need(name: str) -> None:
+        if name in needed:
+            return
+        needed.add(name)
+        if keys[name] is None or not store.exists(name, keys[name]):
+            for u in mods[name].UPSTREAM:
+                need(u)
+
+    if mods:
+        need(list(mods)[-1])
+    return needed
+
+
 def load_stages(names: tuple[str, ...], package: str) -> tuple[dict[str, ModuleType], stages.StageNotBuilt | None]:
     """The importable stage modules in order, stopping at the first one not built (returned as the error)."""
     mods = {}
@@ -143,8 +164,12 @@ class Job:
         try:
             with self.tracker.run(name, parent=parent, tags=tags, params=params) as self.run_id:
                 artifacts: dict[str, Artifact] = {}
+                needed = needed_stages(mods, keys, self.store)
                 for stage_name, mod in mods.items():
-                    artifacts[stage_name] = self._run_stage(stage_name, mod, keys[stage_name], artifacts, commit)
+                    if stage_name in needed:
+                        artifacts[stage_name] = self._run_stage(stage_name, mod, keys, artifacts, commit)
+                    else:
+                        self._note_unneeded(stage_name, keys[stage_name])
                 if not_built is not None:
                     raise not_built
             status = "ok"
@@ -152,10 +177,25 @@ class Job:
         finally:
             self._write_result(status)
 
-    def _run_stage(self, name: str, mod: ModuleType, key: str | None, artifacts: dict, commit: str):
-        upstream = {u: artifacts[u] for u in mod.UPSTREAM}
+    def _note_unneeded(self, name: str, key: str) -> None:
+        """A stage nothing downstream needs loaded (its consumers are cached): report it without loading."""
+        manifest = self.store.manifest(name, key)
+        if manifest is None:
+            log.info("skipping %s %s: not built, and nothing downstream needs it", name, key)
+            self.results[name] = {"key": key, "cached": False, "path": None, "report": {}, "skipped": True}
+            return
+        log.info("cached %s %s (not loaded: nothing downstream needs it)", name, key)
+        self.results[name] = {"key": key, "cached": True, "path": str(self.store.path(name, key)),
+                              "report": manifest.get("report", {})}
+        self.tracker.log_metrics(self.run_id, tracking.numeric(self.results[name]["report"], prefix=f"{name}."))
+        self.tracker.set_tags(self.run_id, {f"{name}.key": key, f"{name}.cached": "true"})
+
+    def _run_stage(self, name: str, mod: ModuleType, keys: dict, artifacts: dict, commit: str):
+        key = keys[name]
+        # Upstream artifacts are loaded only when this stage must be built (see needed_stages).
+        upstream = {u: artifacts[u] for u in mod.UPSTREAM if u in artifacts}
         subtrees = key_inputs(self.cfg, mod)
-        upstream_keys = {u: a.key for u, a in upstream.items() if isinstance(a, Artifact)}
+        upstream_keys = {u: keys[u] for u in mod.UPSTREAM if keys[u] is not None}
         stage_tags = {"stage": name, "key": key or "", "git_commit": commit,
                       **{f"upstream.{u}": k for u, k in upstream_keys.items()}}
 
@@ -202,6 +242,8 @@ class Job:
         lines = ["", "artifacts:"]
         for name, r in self.results.items():
             what = "cached" if r["cached"] else ("ran" if r["key"] else "ran (job dir)")
+            if r.get("skipped"):
+                what, r = "not needed", dict(r, path="(not built; every stage after it is cached)")
             lines.append(f"  {name:7} {what:13} {r['path']}")
         lines.append(f"job dir: {self.job_dir}")
         lines.append(f"store:   {self.store.root}   (python -m pipeline.store list|verify --root {self.store.root})")
@@ -221,8 +263,14 @@ def set_threads(cfg: DictConfig) -> None:
         os.environ["OMP_NUM_THREADS"] = str(n)  # read by torch when it is first imported
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # so a killed job's MLflow runs end KILLED, not RUNNING
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
     set_threads(cfg)
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN

@@ -41,11 +41,12 @@ Bounds. The ExecuTorch runtime REJECTS a T above a method's exported maximum (se
 0x10) but ACCEPTS a T below its minimum; the runner enforces the lower bounds. input_pos is not
 range-checked inside the graph (no data-dependent guards): positions must stay below max_seq_len.
 
-Dispatch rule (`check_dispatch_windows`, written once): a kernel threshold t splits M into "M <= t" and
-"M > t" paths. No exported target T range may straddle one (lo <= t < hi), so every K resolves to the same
-kernel and the same numerics. On CPU the only threshold is MATVEC_MAX_M = max_m (DESIGN §5), which makes
-[2, max_m] fine by construction and requires min_prefill_chunk > max_m. draft_decode is exempt: its
-numerics change acceptance, never the output, and its range [1, max_prefill] must straddle.
+Dispatch rule: written once, as kernels.dispatch.use_small_m (M <= max_m: the small-M kernels, else the
+dense path; DESIGN §5). `check_dispatch_windows` refuses any exported target T range whose ends fall on
+different sides, so every K resolves to the same kernels and the same numerics: [2, max_m] and T = 1 are
+fine by construction, prefill needs min_prefill_chunk > max_m. draft_decode is exempt: its numerics change
+acceptance, never the output, and its range [1, max_prefill] must straddle. (XNNPACK and portable have no
+such threshold of their own; the check keeps the .pte valid for the kernels' backend as well.)
 
 Backends: "portable" (no delegate) and "xnnpack" (XnnpackPartitioner; with quant="int4" torchao's
 8-bit dynamic activation / int4 grouped weight (8da4w) linears, lowered through
@@ -81,22 +82,23 @@ METHODS = TARGET_METHODS + ("draft_decode",)
 
 
 # --- the dispatch rule ---------------------------------------------------------------------------------
-def dispatch_thresholds(backend: str, max_m: int) -> dict[str, int]:
-    """The M thresholds at which a backend's kernels change path (M <= t: small-M path)."""
-    return {"MATVEC_MAX_M (= max_m)": max_m}
+def check_dispatch_windows(windows: Mapping[str, tuple[int, int]], max_m: int) -> None:
+    """Refuse any exported T range [lo, hi] whose ends fall on different sides of the dispatch rule.
 
+    The rule itself is kernels.dispatch.use_small_m (M <= max_m: small-M kernels, else the dense path),
+    monotonic in M, so checking both ends of a range checks all of it.
+    """
+    from kernels.dispatch import use_small_m
 
-def check_dispatch_windows(windows: Mapping[str, tuple[int, int]], thresholds: Mapping[str, int]) -> None:
-    """Refuse any exported T range [lo, hi] that straddles a threshold t (lo <= t < hi), naming both."""
     for name, (lo, hi) in windows.items():
-        for tname, t in thresholds.items():
-            if lo <= t < hi:
-                raise ValueError(
-                    f"{name} T range [{lo}, {hi}] straddles the dispatch threshold {tname} = {t}: rows "
-                    f"M <= {t} and M > {t} would take different kernels, so results would depend on T. "
-                    + ("Raise export.min_prefill_chunk above max_m." if name == "prefill" else
-                       "Pick max_m so that the range lies on one side of the threshold.")
-                )
+        if use_small_m(lo, max_m) != use_small_m(hi, max_m):
+            raise ValueError(
+                f"{name} T range [{lo}, {hi}] straddles the dispatch threshold max_m={max_m}: rows M <= {max_m} "
+                f"take the small-M kernels and M > {max_m} the dense path (kernels.dispatch.use_small_m), so "
+                f"results would depend on T. "
+                + ("Raise export.min_prefill_chunk above max_m." if name == "prefill" else
+                   "Pick max_m so that the range lies on one side of it.")
+            )
 
 
 def check_export_args(*, max_m: int, chain_len: int, min_prefill_chunk: int, max_prefill_chunk: int,
@@ -121,11 +123,8 @@ def check_export_args(*, max_m: int, chain_len: int, min_prefill_chunk: int, max
     if not min_prefill_chunk <= max_prefill_chunk <= max_seq_len:
         raise ValueError(f"prefill chunk range [{min_prefill_chunk}, {max_prefill_chunk}] must satisfy "
                          f"min <= max <= max_seq_len={max_seq_len}")
-    check_dispatch_windows(
-        {"target_verify": (2, max_m), "prefill": (min_prefill_chunk, max_prefill_chunk),
-         "target_decode": (1, 1)},
-        dispatch_thresholds(backend, max_m),
-    )
+    check_dispatch_windows({"target_verify": (2, max_m), "prefill": (min_prefill_chunk, max_prefill_chunk),
+                            "target_decode": (1, 1)}, max_m)
 
 
 # --- one wrapper per method, all around the same Speculator ----------------------------------------

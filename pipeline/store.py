@@ -138,6 +138,14 @@ class Store:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
+    def exists(self, stage: str, key: str) -> bool:
+        return (self.path(stage, key) / MANIFEST).is_file()
+
+    def manifest(self, stage: str, key: str) -> dict | None:
+        """The manifest of a finished artifact, unverified, or None."""
+        path = self.path(stage, key) / MANIFEST
+        return json.loads(path.read_text()) if path.is_file() else None
+
     def load(self, stage: str, key: str, verify: bool = True) -> Artifact | None:
         """The finished artifact, or None if there is none; raises CorruptArtifact if it was tampered with."""
         path = self.path(stage, key)

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -66,7 +67,9 @@ def default_uri(outputs: Path) -> str:
 
 
 def ui_command(uri: str) -> str:
-    return f"mlflow ui --backend-store-uri {uri}"
+    """The command that opens the MLflow UI on this store (this environment's mlflow when there is one)."""
+    exe = Path(sys.executable).parent / "mlflow"
+    return f"{exe if exe.exists() else 'mlflow'} ui --backend-store-uri {uri}"
 
 
 def _quiet_env() -> None:

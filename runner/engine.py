@@ -98,7 +98,7 @@ class PteEngine:
         return self.program.load_method(name).execute([])
 
     def _run(self, name: str, *inputs):
-        return tuple(out.clone() for out in self._methods[name].execute(list(inputs)))
+        return tuple(self._methods[name].execute(list(inputs)))  # outputs are copied out on every call
 
     def prefill(self, tokens, input_pos):
         return self._run("prefill", tokens, input_pos)

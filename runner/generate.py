@@ -369,6 +369,41 @@ class AdaptiveChain:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# One round
+
+
+class Clock:
+    """Milliseconds spent inside `with clock:` blocks, summed."""
+
+    def __init__(self):
+        self.ms = 0.0
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.ms += (time.perf_counter() - self.t0) * 1e3
+
+
+def target_step(engine, sampler: Sampler, anchor: int, P: int) -> list[int]:
+    """K = 0: one target forward of the anchor at P, one new token (the baseline's whole loop)."""
+    ids, logits = engine.target_decode(_t([anchor]), _pos(P, 1))
+    return [sampler.next_token(int(ids.reshape(-1)[0]), logits.reshape(-1))]
+
+
+def speculative_round(engine, draft: Draft, sampler: Sampler, first, anchor: int, P: int, k: int,
+                      verify_clock: Clock, draft_clock: Clock) -> tuple[list[int], torch.Tensor]:
+    """Draft K proposals, verify [anchor] + props at P..P+K in ONE target forward, accept a leading run.
+    Returns new = props[:a] + [correction or bonus], and verify's features (to reseed the draft)."""
+    with draft_clock:
+        props, qs = draft.chain(first, k)
+    with verify_clock:
+        vids, fv, logits = engine.target_verify(_t([anchor] + props), _pos(P, k + 1))
+    new = accept_greedy(props, vids[0].tolist()) if sampler.greedy else accept_sampled(props, qs, logits[0], sampler)
+    return new, fv
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The loop
 
 
@@ -395,12 +430,11 @@ def generate(
     out = Emitter(max_new_tokens, stop_ids)
     engine.reset()
 
-    # Prompt: target prefill, then seed the draft with (prompt[1:] + [bonus], F[0:L]).
+    # Prompt: target prefill (the bonus token), then seed the draft with (prompt[1:] + [bonus], F[0:L]).
     t0 = time.perf_counter()
     pre = prefill(engine, prompt, features=k_max > 0)
-    anchor = sampler.next_token(pre.next_id, pre.logits)
+    anchor, P = sampler.next_token(pre.next_id, pre.logits), len(prompt)
     out.emit([anchor])
-    P = len(prompt)
     if k_max > 0 and not out.done:
         draft = Draft(engine, sampler)
         first = draft.seed(prompt[1:] + [anchor], pre.features, 0)
@@ -409,45 +443,31 @@ def generate(
 
     t_decode = time.perf_counter()
     while not out.done:
-        room = meta["max_seq_len"] - 1 - P  # verify writes P..P+K
+        room = meta["max_seq_len"] - 1 - P  # a verify window writes P..P+K
         if room < 0:
             out.stop_reason = "cache_full"
             break
+        # no drafting past the budget or the cache: K = 0 is a plain target step
         k = 0 if k_max == 0 else min(chains.choose(), room, out.remaining - 1)
-
-        if k == 0:  # one target step: the baseline, or the last slot / last token of a speculative run
-            t = time.perf_counter()
-            ids, logits = engine.target_decode(_t([anchor]), _pos(P, 1))
-            verify_ms = (time.perf_counter() - t) * 1e3
-            new = [sampler.next_token(int(ids.reshape(-1)[0]), logits.reshape(-1))]
-            draft_ms, a = 0.0, 0
+        verify_clock, draft_clock = Clock(), Clock()
+        if k == 0:
+            with verify_clock:
+                new = target_step(engine, sampler, anchor, P)
         else:
-            t = time.perf_counter()
-            props, qs = draft.chain(first, k)
-            draft_ms = (time.perf_counter() - t) * 1e3
+            new, fv = speculative_round(engine, draft, sampler, first, anchor, P, k, verify_clock, draft_clock)
+        a = len(new) - 1
 
-            t = time.perf_counter()
-            vids, fv, logits = engine.target_verify(_t([anchor] + props), _pos(P, k + 1))
-            verify_ms = (time.perf_counter() - t) * 1e3
-            if sampler.greedy:
-                new = accept_greedy(props, vids[0].tolist())
-            else:
-                new = accept_sampled(props, qs, logits[0], sampler)
-            a = len(new) - 1
-
-        n = out.emit(new)
+        n = out.emit(new)  # up to the first stop token, within the budget
+        anchor, P = new[-1], P + a + 1
+        if k > 0 and not out.done:  # reseed the draft from verify's features (no rollback needed)
+            with draft_clock:
+                first = draft.seed(new, fv[0, : a + 1], P - a - 1)
+            chains.update(k, a, verify_clock.ms, draft_clock.ms)
         result.chains.append(k)
         result.accepted.append(a)
         result.emitted.append(n)
-        result.round_verify_ms.append(verify_ms)
-        anchor, P = new[-1], P + a + 1
-
-        if k > 0 and not out.done:  # reseed the draft from verify's features: no rollback needed
-            t = time.perf_counter()
-            first = draft.seed(new, fv[0, : a + 1], P - a - 1)
-            draft_ms += (time.perf_counter() - t) * 1e3
-            chains.update(k, a, verify_ms, draft_ms)
-        result.round_draft_ms.append(draft_ms)
+        result.round_verify_ms.append(verify_clock.ms)
+        result.round_draft_ms.append(draft_clock.ms)
     result.decode_ms = (time.perf_counter() - t_decode) * 1e3
 
     result.output_ids = out.ids

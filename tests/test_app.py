@@ -105,3 +105,17 @@ def test_second_run_is_cached_and_report_says_where_things_are(tmp_path):
     assert f"store:   {out / 'store'}" in second.stdout
     assert sorted(p.name for p in (out / "store").iterdir() if not p.name.startswith(".")) == sorted(
         n for n in SPECS if n != "eval")
+
+
+def test_upstream_of_a_cached_stage_is_not_loaded(tmp_path):
+    import shutil
+
+    write_fake_stages(tmp_path / "fakes")
+    out = tmp_path / "out"
+    assert run_app(["tracking=none"], tmp_path / "fakes", out).returncode == 0
+    shutil.rmtree(out / "store" / "taps")  # the draft built from it is still in the store
+    r = run_app(["tracking=none", "runtime.chain=2"], tmp_path / "fakes", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "taps    not needed" in r.stdout and "draft   cached" in r.stdout and "eval    ran" in r.stdout
+    r = run_app(["tracking=none", "draft.kind=other"], tmp_path / "fakes", out)  # a new draft needs taps again
+    assert r.returncode == 0 and "taps    ran" in r.stdout, r.stdout + r.stderr

@@ -223,7 +223,7 @@ def no_lowering(monkeypatch):
     (dict(max_m=1), r"max_m=1.*>= 2"),
     (dict(max_m=MAX_SEQ + 1, min_prefill_chunk=MAX_SEQ + 2), r"max_m=65 is larger than .*max_seq_len=64"),
     (dict(min_prefill_chunk=MAX_M), r"prefill T range \[4, 16\] straddles the dispatch threshold"),
-    (dict(min_prefill_chunk=2), r"straddles the dispatch threshold MATVEC_MAX_M"),
+    (dict(min_prefill_chunk=2), r"straddles the dispatch threshold max_m=4"),
     (dict(chain=MAX_M), r"chain=4.*\[1, 3\]"),
     (dict(chain=0), r"chain=0"),
     (dict(backend="portable", quant="int4"), r"int4 needs export=xnnpack"),
@@ -247,13 +247,13 @@ def test_export_pte_checks_its_arguments_before_tracing(pair, tmp_path, no_lower
         export_lib.export_pte(spec, max_m=4, **{**common, "manifest_hash": "not-a-hash"})
 
 
-def test_dispatch_rule_is_one_function():
+def test_dispatch_windows_follow_the_kernels_rule():
     check = export_lib.check_dispatch_windows
-    check({"target_verify": (2, 8), "prefill": (9, 128), "draft": (1, 1)}, {"t": 8})
-    with pytest.raises(ValueError, match=r"target_verify T range \[2, 8\] straddles .* t = 4"):
-        check({"target_verify": (2, 8)}, {"t": 4})
+    check({"target_verify": (2, 8), "prefill": (9, 128), "target_decode": (1, 1)}, 8)
+    with pytest.raises(ValueError, match=r"target_verify T range \[2, 8\] straddles .* max_m=4"):
+        check({"target_verify": (2, 8)}, 4)
     with pytest.raises(ValueError, match="min_prefill_chunk"):
-        check({"prefill": (8, 128)}, {"t": 8})
+        check({"prefill": (8, 128)}, 8)
 
 
 @pytest.mark.parametrize("case, match", [
@@ -285,4 +285,10 @@ def test_stage_loads_the_stored_target_unchanged(pair):
     spec = export_stage.load_pair(pair[0].path, pair[1].path)
     stored = load_target(pair[0].path)
     assert torch.equal(spec.target.embed_tokens.weight, stored.embed_tokens.weight)
-    assert spec.draft.check_gaps, "the draft's eager guard must be back on after loading/exporting"
+
+
+def test_draft_gap_guard_is_off_only_while_tracing(pair):
+    spec = eager(pair)
+    with export_lib._tracing_mode(spec):
+        assert not spec.draft.check_gaps
+    assert spec.draft.check_gaps

@@ -58,6 +58,7 @@ def test_valid_length_window_and_empty_splits(interpret, seed):
     assert check(q, k, v, q_pos, torch.tensor([101]), splits=4, block_n=16), f"seed {seed}"  # 101 % 16 != 0
     assert check(q, k, v, q_pos, window=37, splits=4, block_n=16), f"seed {seed}"
     assert check(q, k, v, torch.tensor([5, 6, 7]), splits=8, block_n=16), f"seed {seed}"  # most splits empty
+    assert check(q, k, v, q_pos, splits=7, block_n=16), f"seed {seed}"  # a split count that is not a power of 2
 
 
 def test_op_traces_into_an_exported_graph(interpret):

@@ -136,3 +136,31 @@ def test_a_pte_without_the_constant_methods_is_refused(tmp_path):
     (tmp_path / "bare.pte").write_bytes(program.buffer)
     with pytest.raises(ValueError, match=r"lacks the methods \['prefill', 'target_verify'.*get_max_m"):
         PteEngine(tmp_path / "bare.pte")
+
+
+def test_outputs_survive_later_calls(pte):
+    """The loop keeps prefill/verify features across calls: the engine must not hand out views of its arena."""
+    first = pte.target_verify(torch.tensor([[5, 6, 7]]), torch.arange(3))
+    kept = [x.clone() for x in first]
+    pte.target_verify(torch.tensor([[9, 10]]), torch.arange(3, 5))
+    pte.draft_decode(torch.tensor([[1, 2]]), torch.randn(1, 2, first[1].shape[-1]), torch.arange(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, kept))
+
+
+def test_the_command_line_runner_prints_text_tau_and_timings(tiny_pte, tmp_path, capsys):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from runner.__main__ import main
+
+    tok = Tokenizer(models.WordLevel({"<|eos|>": 1, **{f"w{i}": i for i in range(2, 256)}}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "prompts.txt").write_text("w5 w6 w7\nw9 w10\n")
+    args = ["--pte", str(tiny_pte.path), "--tokenizer", str(tmp_path / "tokenizer.json"), "--max-new-tokens", "12"]
+    assert main([*args, "--prompt-file", str(tmp_path / "prompts.txt"), "--chain", "2", "--rounds"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("w5 w6 w7") and out.count("--- chain K=2") == 2
+    assert "tau" in out and "tokens/s" in out and "verify_ms" in out
+    with pytest.raises(ValueError, match=r"outside the valid range \[1, 5\]"):
+        main([*args, "--prompt", "w5", "--chain", "6"])
