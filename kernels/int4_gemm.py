@@ -148,21 +148,32 @@ def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
 
 # ----------------------------------------------------------------------------- launch configuration
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) chosen per (K, N) from the one tuning run on the
-# H200 (bench/NOTES.md); `default_config` covers shapes not in the table.
-CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) per (K, N, group), from the tuning run on the H200
+# (python3 -m bench.kernels --tune; bench/NOTES.md). Shapes not listed take `default_config`.
+CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
+    (4096, 4096, 128): (64, 128, 8, 4, 4),
+    (4096, 14336, 128): (64, 256, 4, 4, 3),
+    (14336, 4096, 128): (64, 128, 8, 4, 4),
+    (5376, 21504, 128): (64, 256, 1, 4, 3),
+    (21504, 5376, 128): (128, 128, 8, 4, 3),
+    (8192, 28672, 128): (64, 256, 2, 4, 3),
+    (4096, 1024, 128): (64, 256, 8, 4, 3),
+    (4096, 128256, 128): (64, 256, 1, 4, 3),
+}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 15
 
 
 def default_config(N: int, K: int, group: int, sms: int = 132) -> tuple[int, int, int, int, int]:
-    """Enough (tile, split) programs to keep every SM streaming: >= 2 programs per SM when K allows."""
-    block_n, block_k = 64, (128 if K % 128 == 0 else group)
+    """What the tuning run favoured: 64-column tiles, 4 warps, and K split until there are ~4 programs per
+    SM (the kernel is latency-bound, so more resident programs beat larger tiles), each split >= 512 deep."""
+    block_n = 64
+    block_k = 256 if K % 256 == 0 and group <= 128 else (128 if K % 128 == 0 else group)
     tiles = triton.cdiv(N, block_n)
     split = 1
-    while tiles * split < 2 * sms and K % (2 * split * block_k) == 0 and K // (2 * split) >= 1024:
+    while tiles * split < 4 * sms and K % (2 * split * block_k) == 0 and K // (2 * split) >= 512:
         split *= 2
-    return block_n, block_k, split, 4, 4
+    return block_n, block_k, split, 4, 3
 
 
 def pick_config(N: int, K: int, group: int) -> tuple[int, int, int, int, int]:

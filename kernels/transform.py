@@ -4,6 +4,7 @@ cached attention with T <= max_m.
 `to_kernels(model, max_m, group)` works in place and returns the model:
 - every `nn.Linear` becomes an `Int4Linear` (packed weights + per-group scale/zero buffers, bias kept);
   its forward is `dispatch.int4_linear`, i.e. the kernel for <= max_m rows, dequantise + dense above;
+  with fuse=True the linears that read one input (q/k/v, gate/up) share one GEMM (fewer, larger launches);
 - every `models.layers.Attention` gets a subclass whose `forward` records `input_pos` for the duration of
   the call and whose `attend` runs `dispatch.attention` (sdpa_midm for T <= max_m, torch SDPA above) on
   the cached path; the stateless path (input_pos None) keeps the model's own attention.
@@ -43,6 +44,61 @@ class Int4Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, group={self.group}, max_m={self.max_m}"
 
 
+class SharedInputInt4(nn.Module):
+    """One INT4 GEMM for linears that read the same input (q/k/v; gate/up): weights concatenated along N
+    (quantisation is per output row, so each member's weights are exactly what it would get alone). The
+    first member called with an input computes every output; each member returns its slice, and a member
+    called with a different input recomputes, so the result never depends on call order."""
+
+    def __init__(self, linears: list[nn.Linear], group: int, max_m: int):
+        super().__init__()
+        cat = nn.Linear(linears[0].in_features, sum(l.out_features for l in linears),
+                        bias=linears[0].bias is not None, device=linears[0].weight.device,
+                        dtype=linears[0].weight.dtype)
+        with torch.no_grad():
+            cat.weight.copy_(torch.cat([l.weight for l in linears]))
+            if cat.bias is not None:
+                cat.bias.copy_(torch.cat([l.bias for l in linears]))
+        self.fused = Int4Linear(cat, group, max_m)
+        self.sizes = [l.out_features for l in linears]
+        self._x, self._parts = None, None
+
+    def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        if x is not self._x:
+            self._x, self._parts = x, list(self.fused(x).split(self.sizes, dim=-1))
+        out = self._parts[i]
+        self._parts[i] = None
+        if all(p is None for p in self._parts):  # every member served: drop the references
+            self._x, self._parts = None, None
+        return out
+
+
+class _Member(nn.Module):
+    def __init__(self, shared: SharedInputInt4, i: int):
+        super().__init__()
+        object.__setattr__(self, "shared", shared)  # registered once, on the parent, not per member
+        self.i = i
+
+    def forward(self, x):
+        return self.shared.part(x, self.i)
+
+    def extra_repr(self) -> str:
+        return f"part {self.i} of a shared INT4 GEMM"
+
+
+_SHARED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _fuse_shared_inputs(module: nn.Module, group: int, max_m: int) -> None:
+    for names in _SHARED:
+        linears = [getattr(module, n, None) for n in names]
+        if all(isinstance(l, nn.Linear) for l in linears):
+            shared = SharedInputInt4(linears, group, max_m)
+            module.add_module("_".join(n.split("_")[0] for n in names) + "_fused", shared)
+            for i, n in enumerate(names):
+                setattr(module, n, _Member(shared, i))
+
+
 class _KernelAttention:
     """Mixin over an Attention class; `kernel_window` (0 = none) and `max_m` are set by `to_kernels`."""
 
@@ -69,8 +125,9 @@ def _kernel_class(cls: type) -> type:
     return _KERNEL_CLASSES[cls]
 
 
-def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128) -> nn.Module:
-    """In place: linears -> Int4Linear, attention -> sdpa_midm for T <= max_m. Returns the model."""
+def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = False) -> nn.Module:
+    """In place: linears -> Int4Linear, attention -> sdpa_midm for T <= max_m. Returns the model.
+    fuse=True: q/k/v and gate/up each become one GEMM over concatenated weights (SharedInputInt4)."""
     dispatch.check_max_m(max_m)
     windows = {}
     cfg = getattr(model, "cfg", None)
@@ -79,6 +136,8 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128) -> nn.Module:
         if attn is not None and cfg is not None and hasattr(cfg, "window"):
             windows[id(attn)] = cfg.window(i) or 0
     for module in list(model.modules()):
+        if fuse:
+            _fuse_shared_inputs(module, group, max_m)
         if isinstance(module, Attention) and not isinstance(module, _KernelAttention):
             module.__class__ = _kernel_class(type(module))
             module.max_m = max_m

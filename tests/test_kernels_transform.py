@@ -21,17 +21,37 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(scope="module")
-def models():
+CFG = TargetConfig(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                   intermediate_size=128, max_seq_len=64, tap_layers=(0, 1, 2), sliding_window=[None, 9])
+
+
+def with_dequantised_weights(ref, kern):
+    """ref's linears get the dequantised weights kern's kernels use (fused weights split back by rows)."""
+    weights = {}
+    for name, m in kern.named_modules():
+        if isinstance(m, Int4Linear):
+            weights[name] = dequantize_int4(m.packed, m.scale, m.zero, m.group, torch.bfloat16)
+    for name, lin in ref.named_modules():
+        if not isinstance(lin, torch.nn.Linear):
+            continue
+        if name in weights:
+            lin.weight.data = weights[name]
+            continue
+        parent, leaf = name.rsplit(".", 1)
+        for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            if leaf in names:
+                fused = weights[parent + "." + "_".join(n.split("_")[0] for n in names) + "_fused.fused"]
+                sizes = [getattr(ref.get_submodule(parent), n).out_features for n in names]
+                lin.weight.data = fused.split(sizes)[names.index(leaf)]
+    return ref
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["separate", "fused"])
+def models(request):
     """(kernel model, reference model with the dequantised weights), tiny, bf16, random init."""
-    cfg = TargetConfig(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                       intermediate_size=128, max_seq_len=64, tap_layers=(0, 1, 2), sliding_window=[None, 9])
-    ref = Transformer(cfg).to(torch.bfloat16).eval()
-    kern = to_kernels(copy.deepcopy(ref), max_m=MAX_M, group=32)
-    for (_, a), (_, b) in zip(kern.named_modules(), ref.named_modules()):
-        if isinstance(a, Int4Linear):
-            b.weight.data = dequantize_int4(a.packed, a.scale, a.zero, a.group, torch.bfloat16)
-    return kern, ref
+    ref = Transformer(CFG).to(torch.bfloat16).eval()
+    kern = to_kernels(copy.deepcopy(ref), max_m=MAX_M, group=32, fuse=request.param)
+    return kern, with_dequantised_weights(ref, kern)
 
 
 def rel_err(out, ref):
@@ -70,5 +90,6 @@ def test_exports_with_dynamic_t(interpret, models):
     ep = torch.export.export(kern, (torch.randint(0, 256, (1, 3)), torch.arange(10, 13)),
                              dynamic_shapes=({1: T}, {0: T}), strict=False)
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
-    assert sum("int4_mm" in t for t in targets) == 2 * 7 + 1
+    fused = any(name.endswith("_fused") for name, _ in kern.named_modules())
+    assert sum("int4_mm" in t for t in targets) == 2 * (4 if fused else 7) + 1  # per layer: qkv, o, gate|up, down
     assert sum("sdpa_midm" in t for t in targets) == 2
