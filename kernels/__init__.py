@@ -1,0 +1,11 @@
+"""GPU kernels for verify-sized calls (M <= max_m rows), each beside its plain PyTorch reference.
+
+- int4_gemm: INT4 weight-only GEMM, weight-stationary for M <= 16 (`int4_mm`, `quantize_int4`,
+  `int4_mm_reference`);
+- sdpa_midm: split-K attention for M <= 16 query rows over a long GQA KV cache (`sdpa_midm`,
+  `sdpa_reference`);
+- dispatch: the one rule, M <= max_m -> these kernels, else the dense path;
+- transform: `to_kernels(model)` puts a models/ Transformer on them (CUDA; CPU under TRITON_INTERPRET=1).
+Both ops are `torch.library.triton_op`s (eagle3::int4_mm, eagle3::sdpa_midm) with fake implementations,
+so they trace into torch.export graphs. Benchmarks and notes: bench/kernels.py, bench/NOTES.md.
+"""

@@ -8,17 +8,19 @@ Format (ours, group g in {32, 128}):
 Kernel (`int4_mm`): one program owns BLOCK_N output columns (and one of SPLIT_K slices of K). The
 weights are the left operand of the tensor-core product, so the tile [BLOCK_N, k] is dequantised in
 registers and the M activation rows (padded to 16) are the right operand: weight traffic does not grow
-with M. Dequantisation costs one or two integer ops per weight: q | 0x4300 read as bf16 is exactly 128 + q,
-the products against x run on the tensor cores, and the group's affine map is applied to the [BLOCK_N, 16]
+with M. Dequantisation is about one integer op per weight: q | 0x4300 read as bf16 is exactly 128 + q, the
+products against x run on the tensor cores, and the group's affine map is applied to the [BLOCK_N, 16]
 partial sum instead of to every weight:
   sum_k x_k (q_k - z) s = s * (sum_k x_k (128 + q_k) - (128 + z) * sum_k x_k).
-The weights are read as 32-bit words; one shift + one lop3 turns nibbles s and s+4 of a
-word into a bf16x2 register. The k order inside a group is permuted (on x and the weights alike) so that
-each thread's tensor-core fragment comes from 4 contiguous words (one 16-byte load). All of it is
-elementwise tensor code, so the interpreter runs the same permutation the GPU does (only the single lop3
-is inline PTX, replaced by plain and/or there). With SPLIT_K > 1 each program writes an fp32 partial; the last program of a column tile to
-arrive (a per-tile counter, reset by that program) sums the partials in split order and writes the
-output, so the result is deterministic and the op is one launch.
+The weights are read as 32-bit words; one shift + one lop3 turns nibbles s and s+4 of a word into a
+bf16x2 register. The k order inside a group is permuted (on x and the weights alike) so that each
+thread's tensor-core fragment comes from 4 contiguous words (one 16-byte load). All of it is elementwise
+tensor code, so the interpreter runs the same permutation the GPU does (only the single lop3 is inline
+PTX, replaced by plain and/or there). With SPLIT_K > 1 each program writes an fp32 partial; the last
+program of a column tile to arrive (a per-tile counter, reset by that program) sums the partials in split
+order and writes the output, so the result is deterministic and the op is one launch.
+Measured on the H200 (bench/NOTES.md): M-independent cost; faster than bf16 cuBLAS at every M <= 8 and
+than torch's tinygemm from M = 3; 0.22-0.43 of the bytes floor (issue/latency-bound, not bandwidth-bound).
 
 `int4_mm_reference` is the plain PyTorch definition (dequantise, then matmul) the tests compare against.
 """
@@ -32,7 +34,7 @@ import triton.language as tl
 from kernels._jit import lazy_jit
 
 BLOCK_M = 16  # activation rows per launch (the tensor-core minimum); M <= BLOCK_M
-USE_PTX = True  # inline-PTX unpacking on the GPU (False: the plain-op path, same values, slower)
+USE_PTX = True  # the one-instruction lop3 on the GPU (False: plain and/or, same values, one more op per pair)
 GROUPS = (32, 128)
 
 
@@ -152,13 +154,15 @@ def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
 # (python3 -m bench.kernels --tune; bench/NOTES.md). Shapes not listed take `default_config`.
 CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
     (4096, 4096, 128): (64, 128, 8, 4, 4),
-    (4096, 14336, 128): (64, 256, 4, 4, 3),
-    (14336, 4096, 128): (64, 128, 8, 4, 4),
+    (4096, 14336, 128): (64, 128, 2, 4, 4),
+    (14336, 4096, 128): (64, 256, 8, 4, 3),
     (5376, 21504, 128): (64, 256, 1, 4, 3),
     (21504, 5376, 128): (128, 128, 8, 4, 3),
     (8192, 28672, 128): (64, 256, 2, 4, 3),
-    (4096, 1024, 128): (64, 256, 8, 4, 3),
-    (4096, 128256, 128): (64, 256, 1, 4, 3),
+    (4096, 1024, 128): (64, 512, 8, 4, 3),     # Llama-3-8B k_proj / v_proj
+    (4096, 128256, 128): (64, 256, 1, 4, 3),   # Llama-3-8B lm_head
+    (4096, 6144, 128): (64, 128, 4, 4, 4),     # fused q|k|v
+    (4096, 28672, 128): (64, 256, 1, 4, 3),    # fused gate|up
 }
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 15

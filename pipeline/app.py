@@ -255,12 +255,24 @@ class Job:
         return "\n".join(lines)
 
 
-def set_threads(cfg: DictConfig) -> None:
-    n = int(cfg.get("threads") or os.cpu_count() or 1)
+def set_threads(cfg: DictConfig, jobs_at_once: int = 1) -> None:
+    """torch threads: `threads`, or the cores shared among the jobs running at once (oversubscribed
+    OpenMP threads spin against each other: 2 threads on 1 free core ran 5-8x slower here)."""
+    cores = os.cpu_count() or 1
+    n = int(cfg.get("threads") or max(1, cores // max(1, jobs_at_once)))
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(n)
     else:
         os.environ["OMP_NUM_THREADS"] = str(n)  # read by torch when it is first imported
+
+
+def parallel_jobs(hc) -> int:
+    """How many jobs the launcher runs at once (joblib's n_jobs; -1 = all cores); 1 for the basic launcher."""
+    launcher = hc.get("launcher") or {}
+    if "joblib" not in str(launcher.get("_target_", "")).lower():
+        return 1
+    n = int(launcher.get("n_jobs") or 1)
+    return (os.cpu_count() or 1) if n < 0 else n
 
 
 def _interrupt(signum, frame):
@@ -271,9 +283,9 @@ def _interrupt(signum, frame):
 def main(cfg: DictConfig) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
-    set_threads(cfg)
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    set_threads(cfg, parallel_jobs(hc) if multirun else 1)
     job = Job(cfg, Path(hc.runtime.output_dir), job_num=hc.job.num if multirun else 0,
               overrides=list(hc.overrides.task), sweep_dir=Path(hc.sweep.dir) if multirun else None)
     try:

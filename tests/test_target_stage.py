@@ -114,3 +114,33 @@ def test_bad_hf_target_is_a_clear_error(tmp_path, case):
         (path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises((FileNotFoundError, ValueError), match=r"target=hf|target\.path"):
         run_target(tmp_path, "target=hf", f"target.path={path}")
+
+
+def test_corpus_split_depends_only_on_the_document_id(tmp_path):
+    from pipeline import data
+
+    for i in range(40):
+        (tmp_path / f"f{i:02d}.txt").write_text(f"text {i}\n" * 3)
+    full = data.documents({"kind": "text", "paths": [str(tmp_path / "*.txt")], "held_out_fraction": 0.2})
+    capped = data.documents({"kind": "text", "paths": [str(tmp_path / "*.txt")], "held_out_fraction": 0.2,
+                             "max_bytes": 200})
+    held = {d.id for d in full if d.held_out}
+    assert 0 < len(held) < 40
+    assert {d.id for d in capped if d.held_out} <= held, "capping never moves a file across the split"
+    assert [d.id for d in full] == sorted(d.id for d in full)
+
+
+def test_text_corpus_reads_jsonl_and_cuts_a_single_file(tmp_path):
+    from pipeline import data
+
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"body": f"doc {i}"}) for i in range(30)))
+    docs = data.documents({"kind": "text", "paths": [str(tmp_path / "a.jsonl")], "text_field": "body",
+                           "held_out_fraction": 0.3})
+    assert len(docs) == 30 and docs[0].text == "doc 0" and any(d.held_out for d in docs)
+    (tmp_path / "one.txt").write_text("".join(f"line {i}\n" for i in range(100)))
+    one = data.documents({"kind": "text", "paths": [str(tmp_path / "one.txt")], "held_out_fraction": 0.1})
+    assert [d.held_out for d in one] == [False, True]
+    assert one[0].text + one[1].text == (tmp_path / "one.txt").read_text()
+    assert one[1].text.startswith("line 90")
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        data.documents({"kind": "text", "paths": [str(tmp_path / "nope*.txt")]})

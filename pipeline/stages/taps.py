@@ -1,11 +1,11 @@
 """The taps stage: run the target over sequences and store what training the draft needs.
 
 Artifact (read with `load_taps(artifact.path, split)`):
-    taps.json                     layout: source, seq_len, prompt_len, tap_layers, hidden/vocab size, dtype,
-                                  eos id, shard files per split
+    taps.json                     layout: source, per-split sequence and prompt lengths, tap_layers,
+                                  hidden/vocab size, dtype, eos id, shard files per split
     train-00000.safetensors ...   shards of `taps.shard_sequences` sequences of the train split
     held_out-00000.safetensors    the same for the held-out split (never trained on; draft eval reads it)
-Each shard holds, for n sequences of T = taps.seq_len tokens:
+Each shard holds, for n sequences of T tokens (taps.seq_len; held-out: taps.held_out_seq_len):
     ids    int32[n,T]      tokens
     taps   dtype[n,T,3H]   cat(h_a, h_b, h_c) at the target's tap layers (fc-ready, tap order = fc order)
     final  dtype[n,T,H]    the target's last residual before the final norm: the draft stage turns it into
@@ -20,6 +20,9 @@ Each shard holds, for n sequences of T = taps.seq_len tokens:
   measures (greedy continuations of held-out prompts). mask = the continuation (positions >= prompt_len-1)
   up to a generated EOS, or every position with `mask_prompt: false`.
 - `corpus`: windows of T corpus tokens, tapped with one stateless forward per batch; mask = everything.
+The held-out split may have its own lengths (`held_out_seq_len`, `held_out_prompt_len`) so that it mirrors
+the eval (runtime.prompt_len prompt tokens + runtime.max_new_tokens greedy ones), while the train split uses
+short sequences: for a fixed compute budget, more and shorter on-policy sequences train the draft better.
 
 Sequences of a split are fixed up front from `seed` (prompt windows drawn from the split's token stream),
 and shard i always holds the same sequences, so an interrupted run resumes shard by shard from the stage's
@@ -155,6 +158,13 @@ def windows(stream: torch.Tensor, n: int, length: int, seed: int) -> torch.Tenso
     return torch.stack([stream[s : s + length] for s in starts.tolist()]).long()
 
 
+def split_lengths(tc) -> dict[str, tuple[int, int]]:
+    """{split: (sequence length, prompt length)}; the held-out split may have its own (null = the train's)."""
+    T, P = int(tc.seq_len), int(tc.prompt_len)
+    hT, hP = tc.get("held_out_seq_len"), tc.get("held_out_prompt_len")
+    return {"train": (T, P), "held_out": (int(hT) if hT is not None else T, int(hP) if hP is not None else P)}
+
+
 def shard_name(split: str, i: int) -> str:
     return f"{split}-{i:05d}.safetensors"
 
@@ -199,27 +209,32 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     source = str(tc.source)
     if source not in ("generate", "corpus"):
         raise ValueError(f"taps.source must be 'generate' or 'corpus', got {source!r}")
-    T, P = int(tc.seq_len), int(tc.prompt_len)
-    if source == "generate" and not 1 <= P < T:
-        raise ValueError(f"taps.prompt_len={P} must be in [1, taps.seq_len={T})")
+    lengths = split_lengths(tc)
+    if source == "generate":
+        for split, (T, P) in lengths.items():
+            if not 1 <= P < T:
+                raise ValueError(f"taps ({split}): prompt length {P} must be in [1, sequence length {T})")
     dtype = getattr(torch, str(tc.dtype))
     device = torch.device(cfg.device)
     target_dir = Path(upstream["target"].path)
     target = load_target(target_dir, max_seq_len=None).to(device).eval()
-    if T > target.cfg.max_seq_len:
-        raise ValueError(f"taps.seq_len={T} exceeds the target's max_seq_len={target.cfg.max_seq_len}")
+    longest = max(T for T, _ in lengths.values())
+    if longest > target.cfg.max_seq_len:
+        raise ValueError(f"taps: sequences of {longest} tokens exceed the target's max_seq_len={target.cfg.max_seq_len}")
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     eos = data.eos_id(tokenizer)
 
     docs = data.documents(OmegaConf.to_container(cfg.data, resolve=True))
     counts = {"train": int(tc.train_sequences), "held_out": int(tc.held_out_sequences)}
-    length = P if source == "generate" else T
     sequences = {}
     for k, split in enumerate(SPLITS):
+        T, P = lengths[split]
         stream = torch.from_numpy(data.encode(tokenizer, data.split(docs, split)).astype(np.int64))
-        sequences[split] = windows(stream, counts[split], length, int(cfg.seed) * 1_000_003 + k)
-    log.info("taps: %s, %d train + %d held-out sequences of %d tokens (%.1f s to tokenize)", source,
-             counts["train"], counts["held_out"], T, time.perf_counter() - t0)
+        sequences[split] = windows(stream, counts[split], P if source == "generate" else T,
+                                   int(cfg.seed) * 1_000_003 + k)
+    log.info("taps: %s, %d train sequences of %d tokens, %d held-out of %d (%.1f s to tokenize)", source,
+             counts["train"], lengths["train"][0], counts["held_out"], lengths["held_out"][0],
+             time.perf_counter() - t0)
 
     scratch = scratch_dir()
     per_shard, bs = int(tc.shard_sequences), int(tc.batch_size)
@@ -229,6 +244,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     resumed, t_gen = 0, time.perf_counter()
     for split in SPLITS:
         seqs = sequences[split]
+        T, P = lengths[split]
         n_shards = (len(seqs) + per_shard - 1) // per_shard
         bar = tqdm(total=len(seqs), desc=f"taps {split}", unit="seq", mininterval=2.0, dynamic_ncols=True)
         for i in range(n_shards):
@@ -260,7 +276,9 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         for name in shards[split]:
             shutil.move(str(scratch / name), str(out / name))
     index = {
-        "source": source, "seq_len": T, "prompt_len": P if source == "generate" else 0,
+        "source": source,
+        **{f"{split}_{what}": n for split, (T, P) in lengths.items()
+           for what, n in (("seq_len", T), ("prompt_len", P if source == "generate" else 0))},
         "tap_layers": list(target.cfg.taps), "hidden_size": target.cfg.hidden_size,
         "vocab_size": target.cfg.vocab_size, "dtype": str(tc.dtype), "eos_id": eos,
         "mask_prompt": bool(tc.mask_prompt) if source == "generate" else False, "shards": shards,
@@ -272,7 +290,8 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         "target_key": upstream["target"].key,
         "tap_layers": list(target.cfg.taps),
         "tokenizer_sha256": sha256_file(target_dir / "tokenizer.json"),
-        "seq_len": T,
+        "seq_len": lengths["train"][0],
+        "held_out_seq_len": lengths["held_out"][0],
         "train_sequences": counts["train"],
         "held_out_sequences": counts["held_out"],
         "train_tokens": tokens["train"],
