@@ -24,7 +24,7 @@ The held-out split may have its own lengths (`held_out_seq_len`, `held_out_promp
 the eval (runtime.prompt_len prompt tokens + runtime.max_new_tokens greedy ones), while the train split uses
 short sequences: for a fixed compute budget, more and shorter on-policy sequences train the draft better.
 
-Sequences of a split are fixed up front from `seed` (prompt windows drawn from the split's token stream),
+Sequences of a split are fixed up front from `seed` (windows cut at random places of the split's documents),
 and shard i always holds the same sequences, so an interrupted run resumes shard by shard from the stage's
 scratch directory. The batched decode below runs the target's own layer modules (norms, projections, the
 attention math in `Attention.attend`, MLP) over a per-batch KV cache; tests pin it against the target's
@@ -149,13 +149,29 @@ def generation_mask(ids: torch.Tensor, prompt_len: int, eos: int | None, mask_pr
 
 
 # --- sequences and shards -------------------------------------------------------------------------------
-def windows(stream: torch.Tensor, n: int, length: int, seed: int) -> torch.Tensor:
-    """n windows of `length` tokens at seeded random offsets of the stream (fewer if it is too short)."""
-    if len(stream) < length:
-        raise ValueError(f"a split has {len(stream)} tokens, fewer than one window of {length}: use more data")
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(stream) - length + 1, (n,), generator=g)
-    return torch.stack([stream[s : s + length] for s in starts.tolist()]).long()
+def windows(texts: list[str], tokenizer, n: int, length: int, seed: int) -> torch.Tensor:
+    """n windows [n, length] of token ids from seeded random places of the texts, never crossing a document.
+
+    A document is drawn with probability proportional to its size, then a character snippet at a uniform
+    offset is tokenized on its own and its first token (possibly cut in half) dropped. Only n short snippets
+    are tokenized, not the whole split (which costs more than generating on a busy machine).
+    """
+    sizes = np.array([len(t) for t in texts], dtype=np.float64)
+    if not len(texts) or sizes.sum() == 0:
+        raise ValueError("taps: a split of the corpus is empty")
+    rng = np.random.default_rng(seed)
+    chars = 8 * length + 64  # code here is ~3.5 characters per token: a wide margin
+    out: list[list[int]] = []
+    for _ in range(20):
+        docs = rng.choice(len(texts), size=n - len(out), p=sizes / sizes.sum())
+        starts = [int(rng.integers(0, max(1, len(texts[d]) - chars))) for d in docs]
+        snippets = [texts[d][s : s + chars] for d, s in zip(docs, starts)]
+        for enc in tokenizer.encode_batch(snippets, add_special_tokens=False):
+            if len(enc.ids) > length:
+                out.append(enc.ids[1 : 1 + length])
+        if len(out) == n:
+            return torch.tensor(out, dtype=torch.int64)
+    raise ValueError(f"taps: could not cut {n} windows of {length} tokens from the corpus (documents too short?)")
 
 
 def split_lengths(tc) -> dict[str, tuple[int, int]]:
@@ -229,10 +245,9 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     sequences = {}
     for k, split in enumerate(SPLITS):
         T, P = lengths[split]
-        stream = torch.from_numpy(data.encode(tokenizer, data.split(docs, split)).astype(np.int64))
-        sequences[split] = windows(stream, counts[split], P if source == "generate" else T,
-                                   int(cfg.seed) * 1_000_003 + k)
-    log.info("taps: %s, %d train sequences of %d tokens, %d held-out of %d (%.1f s to tokenize)", source,
+        sequences[split] = windows(data.split(docs, split), tokenizer, counts[split],
+                                   P if source == "generate" else T, int(cfg.seed) * 1_000_003 + k)
+    log.info("taps: %s, %d train sequences of %d tokens, %d held-out of %d (%.1f s to read and cut)", source,
              counts["train"], lengths["train"][0], counts["held_out"], lengths["held_out"][0],
              time.perf_counter() - t0)
 
