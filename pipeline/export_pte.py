@@ -34,6 +34,8 @@ Constant methods (no inputs; `execute([])` returns a one-element list):
                                      draft, tap layers and d2t (computed by the export stage; opaque here)
     get_d2t -> Tensor int64[Vd]      target_id = draft_id + d2t[draft_id]
     get_hidden_size -> int           H (extra)
+    get_sliding_window -> int        smallest sliding window of any target layer, 0 = none (extra; the
+                                     runner keeps prefill chunks within it)
     get_backend -> str               "portable" | "xnnpack" (extra)
     get_quant -> str                 "none" | "int4" (extra)
 
@@ -227,6 +229,27 @@ def graph_ops(program) -> tuple[int, dict[str, int]]:
     return delegates, dict(sorted(outside.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def constant_methods(speculator: nn.Module, *, max_m: int, chain_len: int, max_prefill_chunk: int,
+                     min_prefill_chunk: int, manifest_hash: str, backend: str, quant: str) -> dict:
+    """The zero-input methods of the program (names and types in the module docstring)."""
+    target, draft = speculator.target.cfg, speculator.draft
+    return {
+        "get_max_m": max_m,
+        "get_chain_len": chain_len,
+        "get_max_seq_len": target.max_seq_len,
+        "get_vocab_size": target.vocab_size,
+        "get_draft_vocab_size": draft.cfg.draft_vocab_size,
+        "get_max_prefill_chunk": max_prefill_chunk,
+        "get_min_prefill_chunk": min_prefill_chunk,
+        "get_manifest_hash": manifest_hash,
+        "get_d2t": draft.d2t.detach().cpu().to(torch.int64).clone(),
+        "get_hidden_size": draft.cfg.hidden_size,
+        "get_sliding_window": min((w for w in (target.sliding_window or ()) if w), default=0),
+        "get_backend": backend,
+        "get_quant": quant,
+    }
+
+
 @contextlib.contextmanager
 def _tracing_mode(speculator: nn.Module):
     """The draft's eager-only cache guard (gaps) is data dependent: off while tracing, restored after."""
@@ -312,22 +335,11 @@ def export_pte(speculator: nn.Module, *, max_m: int, chain_len: int, max_prefill
     bar.close()
     del exported
 
-    constant_methods = {
-        "get_max_m": max_m,
-        "get_chain_len": chain_len,
-        "get_max_seq_len": max_seq_len,
-        "get_vocab_size": target.cfg.vocab_size,
-        "get_draft_vocab_size": draft.cfg.draft_vocab_size,
-        "get_max_prefill_chunk": max_prefill_chunk,
-        "get_min_prefill_chunk": min_prefill_chunk,
-        "get_manifest_hash": manifest_hash,
-        "get_d2t": draft.d2t.detach().to(torch.int64).clone(),
-        "get_hidden_size": draft.cfg.hidden_size,
-        "get_backend": backend,
-        "get_quant": quant,
-    }
+    constants = constant_methods(speculator, max_m=max_m, chain_len=chain_len,
+                                 max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,
+                                 manifest_hash=manifest_hash, backend=backend, quant=quant)
     t0 = time.perf_counter()
-    edge = EdgeProgramManager(lowered, constant_methods=constant_methods, compile_config=compile_config)
+    edge = EdgeProgramManager(lowered, constant_methods=constants, compile_config=compile_config)
     program = edge.to_executorch(ExecutorchBackendConfig(
         emit_mutable_buffer_names=True,
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=True),

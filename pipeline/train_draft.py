@@ -34,7 +34,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -126,9 +126,9 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, head: Callable, n_steps: int, dec
              used: torch.Tensor | None = None):
     """(total loss, stats) for one batch: total = sum_i decay^i * loss_i (module docstring).
 
-    stats: per step i, loss_i (mean soft CE over in-vocab slots), correct_i and count_i (acceptance over
-    masked slots, an out-of-vocab target argmax counting as a miss), and `correct` [n_steps, B, S] bool for
-    the leading-run acceptance. `used` = draft vocab ids (None when the draft vocab is the whole vocab).
+    stats: lists over steps i of `loss` (mean soft CE over in-vocab slots), `correct` and `count` (acceptance
+    over masked slots, an out-of-vocab target argmax counting as a miss), and `hits` [n_steps, B, S] bool
+    for the leading-run acceptance. `used` = draft vocab ids (None when the draft vocab is the whole vocab).
     """
     probs, top1, valid, in_vocab = labels(head, batch, draft.t2d, used)
     step_logits = ttt_logits(draft, batch["ids"], batch["taps"], n_steps)
@@ -189,7 +189,6 @@ class TrainConfig:
     decay: float = 0.8
     seed: int = 0
     autocast: str | None = None  # None | "bfloat16": matmuls in bf16, loss and optimizer in fp32
-    extra: dict = field(default_factory=dict)
 
 
 def lr_at(step: int, c: TrainConfig) -> float:
@@ -249,8 +248,11 @@ def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, batch: Batch, hea
 
 @torch.no_grad()
 def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, device,
-             used: torch.Tensor | None = None, batch_size: int | None = None) -> dict:
-    """Held-out metrics over all rows of `data`: loss_i, acc_i, sim_accept_len and chain_accept_len."""
+             used: torch.Tensor | None = None, batch_size: int | None = None, autocast: str | None = None) -> dict:
+    """Held-out metrics over all rows of `data`: loss_i, acc_i, sim_accept_len and chain_accept_len.
+
+    `autocast` None evaluates in float32, as the exported draft runs (training-time evals pass c.autocast).
+    """
     was_training = draft.training
     draft.eval()
     N = c.ttt_steps
@@ -261,7 +263,7 @@ def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, de
     runs, run_slots = 0.0, 0
     for start in range(0, n_rows, bs):
         batch = take(data, torch.arange(start, min(n_rows, start + bs)), device)
-        with autocast_ctx(torch.device(device), c.autocast):
+        with autocast_ctx(torch.device(device), autocast):
             _, stats = ttt_loss(draft, batch, head, N, c.decay, used)
         S = stats["hits"].shape[-1]
         mask = batch["mask"].bool()
@@ -286,20 +288,20 @@ def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, de
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, step: int, extra: dict | None = None):
+def save_checkpoint(path: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, step: int) -> None:
     """Weights, optimizer state and the number of steps done, written atomically."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step, "extra": extra or {}}, tmp)
+    torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, device=None) -> tuple[int, dict]:
-    """Restore a `save_checkpoint`; returns (steps done, extra)."""
+def load_checkpoint(path: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, device=None) -> int:
+    """Restore a `save_checkpoint` into `draft` and `opt`; returns the number of steps done."""
     state = torch.load(path, map_location=device, weights_only=True)
     draft.load_state_dict(state["draft"])
     opt.load_state_dict(state["opt"])
-    return int(state["step"]), state.get("extra", {})
+    return int(state["step"])
 
 
 def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None, c: TrainConfig, device, *,
@@ -312,7 +314,7 @@ def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None
     opt = make_optimizer(draft, c)
     start = 0
     if checkpoint is not None and Path(checkpoint).is_file():
-        start, _ = load_checkpoint(checkpoint, draft, opt, device)
+        start = load_checkpoint(checkpoint, draft, opt, device)
     n_rows = train["ids"].shape[0]
     per_epoch = max(1, n_rows // c.batch_size)
     eval_every = eval_every or per_epoch
@@ -333,7 +335,7 @@ def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None
         if done % log_every == 0 or done == c.steps:
             log(m, done)
         if held_out is not None and (done % eval_every == 0 or done == c.steps):
-            held = evaluate(draft, held_out, head, c, device, used)
+            held = evaluate(draft, held_out, head, c, device, used, autocast=c.autocast)
             log({f"held_out_{k}": v for k, v in held.items()} | {"epoch": done / per_epoch}, done)
         if checkpoint is not None and done < c.steps and time.perf_counter() - last_save > checkpoint_every_s:
             save_checkpoint(checkpoint, draft, opt, done)

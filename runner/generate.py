@@ -326,20 +326,26 @@ class AdaptiveChain:
     """Picks each round's K in [1, max_k] to maximise expected tokens per millisecond,
     E(K) / (verify_ms(K+1) + K * draft_step_ms), with E(K) = sum_{j<=K} prod_{i<j} alpha_i.
 
-    alpha_i (acceptance at position i given position i was reached) is a Beta-smoothed count with an
-    optimistic prior, so untried positions get tried; verify_ms(T) is a running mean per window size,
-    read from the nearest measured size at or below T when T is untried (verify is nearly flat in T)."""
+    alpha_i (acceptance at position i, given position i was reached) is a count with a prior (`prior`
+    with weight `prior_weight`) whose observations fade by `memory` per round: acceptance drifts with the
+    text, and a position that a short K stopped reaching drifts back to the prior and is tried again.
+    verify_ms(T) = c0 + c1 * T is a least-squares line over the rounds seen (same fading; flat until two
+    window sizes were measured); draft_step_ms is a fading mean (a round makes K draft calls)."""
 
-    def __init__(self, max_k: int, start_k: int, prior: float = 0.8, prior_weight: float = 2.0):
-        self.max_k, self.k = max_k, start_k
-        self.acc = [prior * prior_weight] * max_k
-        self.reach = [prior_weight] * max_k
-        self.verify_ms: dict[int, float] = {}
-        self.draft_step_ms: float | None = None
+    def __init__(self, max_k: int, start_k: int, prior: float = 0.8, prior_weight: float = 2.0,
+                 memory: float = 0.97):
+        self.max_k, self.k, self.memory = max_k, start_k, memory
+        self.prior_acc, self.prior_reach = prior * prior_weight, prior_weight
+        self.acc = [self.prior_acc] * max_k
+        self.reach = [self.prior_reach] * max_k
+        self.fit = [0.0] * 5  # faded sums of 1, T, T^2, ms, T*ms over verify calls
+        self.draft_ms = [0.0, 0.0]  # faded sums of draft ms and draft calls
 
-    def _verify_cost(self, t: int) -> float:
-        below = [s for s in self.verify_ms if s <= t]
-        return self.verify_ms[max(below)] if below else self.verify_ms[min(self.verify_ms)]
+    def verify_cost(self, t: int) -> float:
+        n, st, stt, sy, sty = self.fit
+        var = n * stt - st * st
+        slope = (n * sty - st * sy) / var if var > 1e-6 * max(n * stt, 1e-12) else 0.0
+        return max(sy / n + slope * (t - st / n), 1e-3)
 
     def expected_tokens(self, k: int) -> float:
         e, survive = 1.0, 1.0
@@ -349,23 +355,25 @@ class AdaptiveChain:
         return e
 
     def choose(self) -> int:
-        if not self.verify_ms or self.draft_step_ms is None:
+        if self.fit[0] == 0 or self.draft_ms[1] == 0:
             return self.k
-        rate = {k: self.expected_tokens(k) / (self._verify_cost(k + 1) + k * self.draft_step_ms)
-                for k in range(1, self.max_k + 1)}
-        self.k = max(rate, key=rate.get)
+        step = self.draft_ms[0] / self.draft_ms[1]
+        self.k = max(range(1, self.max_k + 1),
+                     key=lambda k: self.expected_tokens(k) / (self.verify_cost(k + 1) + k * step))
         return self.k
 
     def update(self, k: int, a: int, verify_ms: float, draft_ms: float) -> None:
         if k < 1:
             return
-        for i in range(min(a + 1, k)):
+        m = self.memory
+        self.acc = [self.prior_acc + m * (x - self.prior_acc) for x in self.acc]
+        self.reach = [self.prior_reach + m * (x - self.prior_reach) for x in self.reach]
+        for i in range(min(a + 1, k)):  # positions 0..a were reached; 0..a-1 accepted
             self.reach[i] += 1
             self.acc[i] += i < a
-        old = self.verify_ms.get(k + 1)
-        self.verify_ms[k + 1] = verify_ms if old is None else 0.8 * old + 0.2 * verify_ms
-        step = draft_ms / k  # reseed + K-1 single steps = K draft calls
-        self.draft_step_ms = step if self.draft_step_ms is None else 0.8 * self.draft_step_ms + 0.2 * step
+        t = k + 1
+        self.fit = [m * x + y for x, y in zip(self.fit, (1.0, t, t * t, verify_ms, t * verify_ms))]
+        self.draft_ms = [m * self.draft_ms[0] + draft_ms, m * self.draft_ms[1] + k]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ def test_train_writes_a_speculators_draft_that_fits_the_target(env, trained):
     assert torch.equal(draft.embed_tokens.weight, target.embed_tokens.weight)
     r = art.report
     assert r["target_key"] == upstream["target"].key and r["taps_key"] == upstream["taps"].key
-    accs = [r[f"acc_{i}"] for i in range(7)]
+    accs = [r[f"held_out_acc_{i}"] for i in range(7)]
     assert all(0 <= a <= 1 for a in accs)
     assert r["sim_accept_len"] == pytest.approx(draft_stage.td.acceptance(accs), abs=1e-3)
     assert 1 <= r["chain_accept_len"] <= 8 and r["steps"] == 6 and r["vocab_coverage"] == 1.0
@@ -107,7 +107,7 @@ def test_load_validates_and_stores_a_checkpoint(env, trained):
     assert loaded.report["kind"] == "load" and loaded.report["target_key"] == upstream["target"].key
     # trained with autocast=None and evaluated the same way: same held-out numbers
     for i in range(7):
-        assert loaded.report[f"acc_{i}"] == art.report[f"acc_{i}"]
+        assert loaded.report[f"held_out_acc_{i}"] == art.report[f"held_out_acc_{i}"]
 
 
 def misfit(kind, target):

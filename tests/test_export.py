@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models import load_target, save_speculators, save_target, tiny_draft, tiny_target
+from models import Speculator, load_target, save_speculators, save_target, tiny_draft, tiny_target
 from pipeline.store import Artifact
 from pipeline.stages import export as export_stage
 from pipeline import export_pte as export_lib
@@ -195,7 +195,7 @@ def test_constant_methods_read_back(exported):
             "get_vocab_size": x.vocab_size, "get_draft_vocab_size": x.draft_vocab_size,
             "get_max_prefill_chunk": x.max_prefill_chunk, "get_min_prefill_chunk": x.min_prefill_chunk,
             "get_hidden_size": 64, "get_backend": x.backend, "get_quant": x.quant,
-            "get_manifest_hash": x.manifest_hash}
+            "get_manifest_hash": x.manifest_hash, "get_sliding_window": 0}
     for name, value in want.items():
         assert call(prog, name) == [value], name
     assert x.report["manifest_hash"] == x.manifest_hash and len(x.manifest_hash) == 64
@@ -285,6 +285,15 @@ def test_stage_loads_the_stored_target_unchanged(pair):
     spec = export_stage.load_pair(pair[0].path, pair[1].path)
     stored = load_target(pair[0].path)
     assert torch.equal(spec.target.embed_tokens.weight, stored.embed_tokens.weight)
+
+
+def test_sliding_window_constant_is_the_smallest_window():
+    args = dict(max_m=4, chain_len=1, max_prefill_chunk=16, min_prefill_chunk=5, manifest_hash="0" * 64,
+                backend="portable", quant="none")
+    for window, want in (([8, None], 8), (None, 0)):
+        target = make_target(sliding_window=window)
+        spec = Speculator(target, make_draft(target))
+        assert export_lib.constant_methods(spec, **args)["get_sliding_window"] == want
 
 
 def test_draft_gap_guard_is_off_only_while_tracing(pair):

@@ -18,8 +18,8 @@ from (upstream keys, and `target_key` in the report, which the export stage chec
 `draft=load draft.path=DIR`: a speculators checkpoint, validated against the target (hidden size, vocab,
 tap layers, d2t range and t2d agreement, the frozen embedding); a mismatch fails naming the field.
 
-Both report held-out acc_i (i = 0..N-1; top-1 agreement of TTT step i with the target on the held-out
-taps), `sim_accept_len` = 1 + sum_k prod_{j<=k} acc_j (the tokens per round a chain of N drafts would give
+Both report `held_out_acc_i` (i = 0..N-1; top-1 agreement of TTT step i with the target on the held-out
+taps; the per-step training metrics are `loss`, `loss_i`, `acc_i`, `lr`), `sim_accept_len` = 1 + sum_k prod_{j<=k} acc_j (the tokens per round a chain of N drafts would give
 if the steps were independent) and `chain_accept_len` (the leading run of agreeing steps, averaged: on
 greedy taps, the acceptance a chain of N started at that slot would get).
 """
@@ -85,7 +85,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         raise ValueError(f"draft.kind must be 'train' or 'load', got {dc.kind!r}")
 
     used = draft_vocab_ids(draft)
-    held = td.evaluate(draft, held_out, lambda f: td.target_head(target, f), tc, device, used)
+    held = td.evaluate(draft, held_out, lambda f: td.target_head(target, f), tc, device, used)  # float32
     draft = draft.cpu().eval()
     save_speculators(draft, out)
     report.update({
@@ -94,7 +94,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         "taps_key": taps_art.key,
         "ttt_steps": tc.ttt_steps,
         "draft_vocab_size": draft.cfg.draft_vocab_size,
-        **{f"acc_{i}": round(held[f"acc_{i}"], 4) for i in range(tc.ttt_steps)},
+        **{f"held_out_acc_{i}": round(held[f"acc_{i}"], 4) for i in range(tc.ttt_steps)},
         "sim_accept_len": round(held["sim_accept_len"], 4),
         "chain_accept_len": round(held["chain_accept_len"], 4),
         "held_out_loss_0": round(held["loss_0"], 4),
@@ -108,7 +108,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
 
 def train_config(dc: DictConfig, seed: int) -> td.TrainConfig:
     t = OmegaConf.to_container(dc.get("train") or {}, resolve=True)
-    known = set(td.TrainConfig.__dataclass_fields__) - {"extra", "seed"}
+    known = set(td.TrainConfig.__dataclass_fields__) - {"seed"}
     c = td.TrainConfig(seed=seed, **{k: v for k, v in t.items() if k in known})
     c.betas = tuple(c.betas)
     return c
