@@ -115,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prefill", type=int, default=128)
     ap.add_argument("--out", type=Path, default=None, help="directory for --random .pte files (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--threads", type=int, default=None, help="runtime threadpool size (default: the runtime's)")
     args = ap.parse_args(argv)
 
     if args.store:
@@ -128,6 +129,8 @@ def main(argv=None) -> int:
 
     from executorch.extension.pybindings import portable_lib
 
+    if args.threads:
+        portable_lib._unsafe_reset_threadpool(args.threads)
     print(f"runtime threads: {portable_lib._threadpool_get_thread_count()}, torch threads: {torch.get_num_threads()}")
     rows = []
     for path in paths:

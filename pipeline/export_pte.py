@@ -199,7 +199,7 @@ def quantize_int4(speculator: nn.Module, group_size: int) -> list[str]:
 
 
 # --- lowering --------------------------------------------------------------------------------------
-def _partitioners(backend: str, quant: str) -> list:
+def _partitioners(backend: str) -> list:
     if backend == "portable":
         return []
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -314,7 +314,7 @@ def export_pte(speculator: nn.Module, *, max_m: int, chain_len: int, max_prefill
             bar.update()
     # One method at a time, so progress and the per-method op census are visible; the edge programs are
     # then joined into one manager, whose to_executorch plans the shared buffers across all of them.
-    partitioners = _partitioners(backend, quant)
+    partitioners = _partitioners(backend)
     for name, ep in exported.items():
         bar.set_postfix_str(f"lower {name}")
         t0 = time.perf_counter()

@@ -19,6 +19,12 @@ K = 0 is plain greedy (or sampled) decoding through target_decode, the baseline 
 against. At temperature > 0 proposals are sampled from the draft and verified by rejection sampling, so the
 output is distributed exactly as the target's own samples.
 
+The exported T ranges are enforced here, not by the runtime (which accepts T below a method's minimum):
+prefill chunks lie in [min_prefill, max_prefill] (and within the sliding window), a shorter piece of the
+prompt goes through target_verify windows (T in [2, max_m]); K outside [1, max_m-1] is refused. K shrinks
+only where drafting cannot pay: near the token budget and the end of the cache. `policy="adaptive"`
+picks each round's K from the acceptance seen so far and the measured verify and draft costs.
+
 Not here: batching, tree drafts, a prefix cache shared across prompts.
 """
 
@@ -329,8 +335,10 @@ class AdaptiveChain:
     alpha_i (acceptance at position i, given position i was reached) is a count with a prior (`prior`
     with weight `prior_weight`) whose observations fade by `memory` per round: acceptance drifts with the
     text, and a position that a short K stopped reaching drifts back to the prior and is tried again.
-    verify_ms(T) = c0 + c1 * T is a least-squares line over the rounds seen (same fading; flat until two
-    window sizes were measured); draft_step_ms is a fading mean (a round makes K draft calls)."""
+    Round timings on a shared CPU are noisy, so the costs are robust: verify_ms(T) is a fading mean per
+    window size (a sample is clipped at twice the current mean), made non-decreasing in T (pool adjacent
+    violators), and read at the nearest measured size at or below T (an untried larger window looks as
+    cheap as the largest tried one, so it gets tried); draft_step_ms is a fading mean per draft call."""
 
     def __init__(self, max_k: int, start_k: int, prior: float = 0.8, prior_weight: float = 2.0,
                  memory: float = 0.97):
@@ -338,14 +346,27 @@ class AdaptiveChain:
         self.prior_acc, self.prior_reach = prior * prior_weight, prior_weight
         self.acc = [self.prior_acc] * max_k
         self.reach = [self.prior_reach] * max_k
-        self.fit = [0.0] * 5  # faded sums of 1, T, T^2, ms, T*ms over verify calls
-        self.draft_ms = [0.0, 0.0]  # faded sums of draft ms and draft calls
+        self.verify: dict[int, list[float]] = {}  # T -> [faded sum of ms, faded count]
+        self.draft = [0.0, 0.0]  # faded sum of draft ms, faded number of draft calls
 
-    def verify_cost(self, t: int) -> float:
-        n, st, stt, sy, sty = self.fit
-        var = n * stt - st * st
-        slope = (n * sty - st * sy) / var if var > 1e-6 * max(n * stt, 1e-12) else 0.0
-        return max(sy / n + slope * (t - st / n), 1e-3)
+    def _mean(self, t: int) -> float:
+        total, n = self.verify[t]
+        return total / n
+
+    def verify_costs(self) -> dict[int, float]:
+        """Per measured T, the fading means made non-decreasing in T (pool adjacent violators)."""
+        blocks = []  # [weighted sum, weight, sizes]
+        for t in sorted(self.verify):
+            blocks.append([self.verify[t][0], self.verify[t][1], [t]])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                last = blocks.pop()
+                blocks[-1] = [blocks[-1][0] + last[0], blocks[-1][1] + last[1], blocks[-1][2] + last[2]]
+        return {t: total / n for total, n, sizes in blocks for t in sizes}
+
+    def verify_cost(self, t: int, costs: dict[int, float] | None = None) -> float:
+        costs = self.verify_costs() if costs is None else costs
+        below = [s for s in costs if s <= t]
+        return costs[max(below)] if below else costs[min(costs)]
 
     def expected_tokens(self, k: int) -> float:
         e, survive = 1.0, 1.0
@@ -355,11 +376,11 @@ class AdaptiveChain:
         return e
 
     def choose(self) -> int:
-        if self.fit[0] == 0 or self.draft_ms[1] == 0:
+        if not self.verify or self.draft[1] == 0:
             return self.k
-        step = self.draft_ms[0] / self.draft_ms[1]
+        costs, step = self.verify_costs(), self.draft[0] / self.draft[1]
         self.k = max(range(1, self.max_k + 1),
-                     key=lambda k: self.expected_tokens(k) / (self.verify_cost(k + 1) + k * step))
+                     key=lambda k: self.expected_tokens(k) / (self.verify_cost(k + 1, costs) + k * step))
         return self.k
 
     def update(self, k: int, a: int, verify_ms: float, draft_ms: float) -> None:
@@ -371,9 +392,15 @@ class AdaptiveChain:
         for i in range(min(a + 1, k)):  # positions 0..a were reached; 0..a-1 accepted
             self.reach[i] += 1
             self.acc[i] += i < a
-        t = k + 1
-        self.fit = [m * x + y for x, y in zip(self.fit, (1.0, t, t * t, verify_ms, t * verify_ms))]
-        self.draft_ms = [m * self.draft_ms[0] + draft_ms, m * self.draft_ms[1] + k]
+        if k + 1 in self.verify:
+            verify_ms = min(verify_ms, 2 * self._mean(k + 1))
+        for sums in self.verify.values():
+            sums[0], sums[1] = m * sums[0], m * sums[1]
+        total, n = self.verify.get(k + 1, [0.0, 0.0])
+        self.verify[k + 1] = [total + verify_ms, n + 1]
+        step = self.draft[0] / self.draft[1] if self.draft[1] else None
+        draft_ms = draft_ms if step is None else min(draft_ms, 2 * step * k)
+        self.draft = [m * self.draft[0] + draft_ms, m * self.draft[1] + k]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The export stage and its .pte: one program whose target_verify serves every T in [2, max_m].
 
-A tiny target (2 layers, hidden 64, vocab 256, max_seq_len 64) and a draft over a 128-token draft vocab
-with a real (non-identity) d2t are saved as target/draft artifacts; the export stage lowers them ONCE per
-backend (session scope) and every test runs the real executorch.runtime against the eager Speculator
-loaded from the same artifacts. int4 lowering takes minutes even for this model: EXPORT_TEST_INT4=1 adds it.
+Each backend is exported ONCE per session: portable is conftest's `tiny_pte` (export_pte on a 2-layer
+target, shared with the runner tests), xnnpack runs the export stage itself on a tiny target (2 layers,
+hidden 64, vocab 256, max_seq_len 64) and a draft over a 128-token draft vocab with a real d2t, saved as
+target/draft artifacts. Every test runs the real executorch.runtime against an eager Speculator with the
+same weights. int4 lowering takes over a minute even for this model: EXPORT_TEST_INT4=1 adds it.
 """
 
 from __future__ import annotations

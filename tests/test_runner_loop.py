@@ -295,11 +295,17 @@ def test_adaptive_policy_converges_to_the_best_k(accept_upto, expect):
     assert late.count(expect) > 0.8 * len(late)  # exploring other K now and then, not more
 
 
-def test_adaptive_policy_fits_verify_cost_as_a_line_in_the_window_size():
-    policy = AdaptiveChain(max_k=7, start_k=3)
-    for k in (1, 3, 5, 3):
-        policy.update(k, 0, verify_ms=10 + (k + 1), draft_ms=k * 1.0)
-    assert policy.verify_cost(8) == pytest.approx(18) and policy.verify_cost(2) == pytest.approx(12)
+def test_adaptive_policy_costs_are_robust_to_noisy_timings():
+    """Verify cost is non-decreasing in T even when a noisy sample says otherwise; an untried larger window
+    is read at the largest tried one; a spike is clipped."""
+    policy = AdaptiveChain(max_k=7, start_k=3, memory=1.0)
+    for k, ms in ((1, 10.0), (3, 9.0), (3, 9.0), (5, 14.0), (1, 10.0)):
+        policy.update(k, 0, verify_ms=ms, draft_ms=k * 1.0)
+    costs = policy.verify_costs()
+    assert costs[2] == costs[4] == pytest.approx(9.5) and costs[6] == 14.0
+    assert policy.verify_cost(8) == 14.0 and policy.verify_cost(5) == pytest.approx(9.5)
+    policy.update(5, 0, verify_ms=1000.0, draft_ms=5.0)
+    assert policy.verify_costs()[6] == pytest.approx((14 + 28) / 2)
 
 
 # ---------------------------------------------------------------------------------------------------------

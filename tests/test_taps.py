@@ -55,7 +55,8 @@ def target_artifact(tmp_path_factory):
 
 def stage_cfg(data_cfg, **taps_overrides):
     tc = dict(source="generate", seq_len=32, prompt_len=8, mask_prompt=True, train_sequences=10,
-              held_out_sequences=4, shard_sequences=4, batch_size=3, dtype="float32")
+              held_out_seq_len=40, held_out_prompt_len=12, held_out_sequences=4, shard_sequences=4,
+              batch_size=3, dtype="float32")
     tc.update(taps_overrides)
     return OmegaConf.create({"device": "cpu", "seed": 0, "data": OmegaConf.to_container(data_cfg), "taps": tc})
 
@@ -73,7 +74,7 @@ def test_stage_writes_shards_index_and_report(tmp_path, target_artifact, source)
     art = build(tmp_path, stage_cfg(data_cfg, source=source), target_art)
     r = art.report
     assert r["source"] == source and r["target_key"] == target_art.key and r["tap_layers"] == [1, 2, 3]
-    assert r["train_tokens"] == 10 * 32 and r["held_out_tokens"] == 4 * 32
+    assert r["train_tokens"] == 10 * 32 and r["held_out_tokens"] == 4 * 40  # the held-out split has its own lengths
     assert r["bytes_written"] == sum(p.stat().st_size for p in art.path.iterdir() if p.name != "manifest.json")
     assert len(r["tokenizer_sha256"]) == 64
     train = taps.load_taps(art.path, "train")
@@ -83,6 +84,8 @@ def test_stage_writes_shards_index_and_report(tmp_path, target_artifact, source)
         assert torch.equal(train["ids"][:, 8:], train["top1"][:, 7:-1])
         assert not train["mask"][:, :7].any() and train["mask"][:, 7:].all()
         assert r["train_counted_tokens"] == 10 * 25
+        held = taps.load_taps(art.path, "held_out")
+        assert held["ids"].shape == (4, 40) and torch.equal(held["ids"][:, 12:], held["top1"][:, 11:-1])
     else:
         assert train["mask"].all()
 

@@ -142,12 +142,6 @@ def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.Trai
         if dc.get("init_from_target", False):
             draft.lm_head.weight.copy_(target.lm_head.weight[vm.used])
             draft.norm.weight.copy_(target.norm.weight)
-        if dc.get("init_fc") == "last_tap":  # f starts as the highest tapped state, the closest to the output
-            H = target.cfg.hidden_size
-            draft.fc.weight.mul_(0.1)
-            draft.fc.weight[:, 2 * H :] += torch.eye(H)
-    if dc.get("freeze_lm_head", False):
-        draft.lm_head.weight.requires_grad_(False)
     draft = draft.to(device)
     used = None if vm.size == V else vm.used.to(device)
 
