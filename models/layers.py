@@ -99,8 +99,8 @@ class Attention(nn.Module):
 
     `forward(x, cos, sin, mask, input_pos)`:
       input_pos None -> stateless: keys are this call's keys (any batch), mask [T, T];
-      input_pos [T]  -> batch 1; K/V written into the cache at input_pos, then attention over the
-                        whole cache, mask [T, max_seq_len].
+      input_pos [T]  -> K/V written into the cache at input_pos, then attention over the whole cache,
+                        mask [T, cache length]; the batch is the cache's (1 unless `setup_cache` says).
     """
 
     def __init__(self, in_dim: int, out_dim: int, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -115,9 +115,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, out_dim, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        shape = (1, n_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+        self.setup_cache(1, max_seq_len)
+
+    def setup_cache(self, batch_size: int, length: int) -> None:
+        """(Re)allocate the cache as [batch_size, n_kv_heads, length, head_dim] zeros (non-persistent)."""
+        like = self.q_proj.weight
+        shape = (batch_size, self.n_kv_heads, length, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=like.dtype, device=like.device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=like.dtype, device=like.device), persistent=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, in] -> q [B, h, T, hd], k, v [B, kv, T, hd] with RoPE applied to q and k."""

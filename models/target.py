@@ -3,8 +3,9 @@
 Two paths through the same weights:
 - stateless (`input_pos=None`): any batch, positions 0..T-1, causal mask; the KV cache is untouched.
   Training and taps extraction use it.
-- cached (`input_pos` [T] given): batch 1; each layer writes K/V for these positions into its static
-  cache buffer and attends over the whole buffer under key_pos <= query_pos (and the layer's window).
+- cached (`input_pos` [T] given): batch 1 (the exported and eager engines), or the batch given to
+  `setup_cache` (batched greedy generation for the taps stage); each layer writes K/V for these positions
+  into its static cache buffer and attends over the whole buffer under key_pos <= query_pos (and the layer's window).
   Overwriting earlier slots is allowed (a verify window after a partial acceptance overwrites the
   rejected slots); stale slots beyond the query positions are hidden by the mask.
 
@@ -58,13 +59,16 @@ class Transformer(nn.Module):
                 last_only: bool = False):
         """tokens [B,T] int64 -> logits [B,T,V] (or [B,1,V] with last_only), plus taps when taps=True."""
         h, tapped = self.hidden(tokens, input_pos, self.cfg.taps if taps else ())
-        if last_only:
-            h = h[:, -1:]
+        logits = self.head(h[:, -1:] if last_only else h)
+        return (logits, tuple(tapped)) if taps else logits
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits from the last residual (pre-norm) [.., H]: final norm, lm_head, soft-cap."""
         logits = self.lm_head(self.norm(h))
         if self.cfg.logit_softcap is not None:
             cap = self.cfg.logit_softcap
             logits = torch.tanh(logits / cap) * cap
-        return (logits, tuple(tapped)) if taps else logits
+        return logits
 
     def hidden(self, tokens, input_pos=None, tap_layers=()):
         """Run embeddings and all layers. Returns (last residual [B,T,H] pre-norm, [states at tap_layers])."""
@@ -88,13 +92,27 @@ class Transformer(nn.Module):
         return h, tapped
 
     def _check_cached_call(self, tokens, input_pos):
-        if tokens.shape[0] != 1:
-            raise ValueError(f"cached forward is batch 1 (the KV cache is [1, ...]); got batch {tokens.shape[0]}")
+        batch, length = self.layers[0].self_attn.k_cache.shape[0], self.key_pos.numel()
+        if tokens.shape[0] != batch:
+            raise ValueError(f"cached forward of batch {tokens.shape[0]}, but the KV cache is for batch {batch} "
+                             f"(batch 1 unless setup_cache(batch_size) says otherwise)")
         if is_tracing():
             return
-        if input_pos.numel() and int(input_pos.max()) >= self.cfg.max_seq_len:
-            raise ValueError(f"input_pos {int(input_pos.max())} is beyond the cache (max_seq_len "
-                             f"{self.cfg.max_seq_len})")
+        if input_pos.numel() and int(input_pos.max()) >= length:
+            raise ValueError(f"input_pos {int(input_pos.max())} is beyond the cache (length {length}, "
+                             f"max_seq_len {self.cfg.max_seq_len})")
+
+    def setup_cache(self, batch_size: int = 1, length: int | None = None) -> None:
+        """Reallocate every layer's cache as [batch_size, n_kv_heads, length, head_dim] (length defaults to,
+        and may not exceed, max_seq_len), empty. The exported methods use the default, batch 1 over the
+        whole max_seq_len; a shorter, batched cache serves batched greedy generation with the same layers."""
+        length = self.cfg.max_seq_len if length is None else int(length)
+        if not 1 <= length <= self.cfg.max_seq_len or batch_size < 1:
+            raise ValueError(f"setup_cache(batch_size={batch_size}, length={length}): need batch_size >= 1 and "
+                             f"1 <= length <= max_seq_len={self.cfg.max_seq_len}")
+        self.key_pos = torch.arange(length, device=self.key_pos.device)
+        for layer in self.layers:
+            layer.self_attn.setup_cache(batch_size, length)
 
     def reset_cache(self) -> None:
         for layer in self.layers:

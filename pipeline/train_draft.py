@@ -3,7 +3,7 @@
 A batch is what the taps stage stores for sequences of T tokens:
     ids    [B,T] int64    the tokens
     taps   [B,T,3Ht]      cat(h_a, h_b, h_c) of the target at each position (fc-ready)
-    final  [B,T,Ht]       the target's last residual (before its final norm); target_head() turns it
+    final  [B,T,Ht]       the target's last residual (before its final norm); Transformer.head() turns it
                           into the target's logits, so the soft labels are exact and need no V-wide storage
     top1   [B,T] int64    the target's argmax at each position (predicts token t+1)
     mask   [B,T] bool     positions whose prediction counts (the generated part of a sequence, say)
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from models import Eagle3Draft, Transformer
+from models import Eagle3Draft
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -84,13 +84,6 @@ def token_counts(top1: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> tor
 
 
 # --- labels from the target -------------------------------------------------------------------------------
-def target_head(target: Transformer, final: torch.Tensor) -> torch.Tensor:
-    """The target's logits from its last residual: norm, lm_head, soft-cap (as Transformer.forward)."""
-    logits = target.lm_head(target.norm(final))
-    cap = target.cfg.logit_softcap
-    return torch.tanh(logits / cap) * cap if cap is not None else logits
-
-
 @torch.no_grad()
 def labels(head: Callable[[torch.Tensor], torch.Tensor], batch: Batch, t2d: torch.Tensor, used: torch.Tensor | None):
     """(probs [B,T-1,Vd], top1 [B,T-1], valid [B,T-1], in_vocab [B,T-1]) for positions 1..T-1.

@@ -108,7 +108,7 @@ def test_sliding_window_hides_keys_older_than_the_window():
 
 def test_cached_forward_refuses_batch_and_overflow():
     model = tiny_target(max_seq_len=16)
-    with pytest.raises(ValueError, match="batch 1.*got batch 2"):
+    with pytest.raises(ValueError, match="batch 2, but the KV cache is for batch 1"):
         model(torch.zeros(2, 3, dtype=torch.long), torch.arange(3))
     with pytest.raises(ValueError, match="beyond the cache"):
         model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([15, 16]))

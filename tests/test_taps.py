@@ -27,6 +27,7 @@ def test_batched_generation_equals_the_targets_own_greedy_and_taps():
     torch.testing.assert_close(out["taps"], torch.cat(tapped, -1), rtol=1e-4, atol=1e-5)
     final, _ = target.hidden(out["ids"])
     torch.testing.assert_close(out["final"], final, rtol=1e-4, atol=1e-5)
+    assert target.layers[0].self_attn.k_cache.shape[0] == 1  # the batch-1 cache of the exported methods is back
 
 
 def test_generation_mask_counts_the_continuation_until_eos():

@@ -45,7 +45,7 @@ def make_batch(target, B=2, T=12, vocab=None, seed=0):
     ids = torch.randint(0, target.cfg.vocab_size, (B, T), generator=g)
     with torch.no_grad():
         final, tapped = target.hidden(ids, None, target.cfg.taps)
-        top1 = td.target_head(target, final).argmax(-1)
+        top1 = target.head(final).argmax(-1)
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[:, :2] = False
     return {"ids": ids, "taps": torch.cat(tapped, -1), "final": final, "top1": top1, "mask": mask}
@@ -71,7 +71,7 @@ def test_unrolled_ttt_equals_a_step_by_step_recompute_through_the_draft_cache(pa
     target, draft = pair
     batch = make_batch(target)
     used = torch.arange(200) + draft.d2t
-    head = lambda f: td.target_head(target, f)  # noqa: E731
+    head = target.head  # noqa: E731
     loss, stats = td.ttt_loss(draft, batch, head, N, decay=0.8, used=used)
     step_logits = td.ttt_logits(draft, batch["ids"], batch["taps"], N)
     B, T = batch["ids"].shape
@@ -90,7 +90,7 @@ def test_unrolled_ttt_equals_a_step_by_step_recompute_through_the_draft_cache(pa
     for i in range(N):
         torch.testing.assert_close(step_logits[i], naive[i], rtol=1e-4, atol=1e-5)
     # the loss from the naive logits, each step against the target at position t+1+i
-    tlogits = td.target_head(target, batch["final"]).index_select(-1, used)
+    tlogits = target.head(batch["final"]).index_select(-1, used)
     total = 0.0
     for i in range(N):
         pos = slice(1 + i, 1 + i + S)
@@ -108,7 +108,7 @@ def test_unrolled_ttt_equals_a_step_by_step_recompute_through_the_draft_cache(pa
 def test_one_training_step_lowers_the_loss_on_a_fixed_batch(pair):
     target, draft = pair
     batch = make_batch(target, B=4, T=16)
-    head = lambda f: td.target_head(target, f)  # noqa: E731
+    head = target.head  # noqa: E731
     used = torch.arange(200) + draft.d2t
     c = td.TrainConfig(steps=10, batch_size=4, lr=3e-3, warmup=1, ttt_steps=N)
     opt = td.make_optimizer(draft, c)
@@ -133,7 +133,7 @@ def test_lr_warms_up_then_decays_to_min_lr():
 def test_an_interrupted_run_resumes_bit_for_bit(tmp_path):
     target = tiny_target(seed=0, n_layers=3, max_seq_len=32)
     data = {k: torch.cat([v, v.flip(0)]) for k, v in make_batch(target, B=3, T=12).items()}  # 6 rows
-    head = lambda f: td.target_head(target, f)  # noqa: E731
+    head = target.head  # noqa: E731
     c = td.TrainConfig(steps=6, batch_size=2, lr=3e-3, warmup=2, ttt_steps=N, seed=3)
 
     straight = tiny_draft(target, seed=1)

@@ -85,7 +85,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         raise ValueError(f"draft.kind must be 'train' or 'load', got {dc.kind!r}")
 
     used = draft_vocab_ids(draft)
-    held = td.evaluate(draft, held_out, lambda f: td.target_head(target, f), tc, device, used)  # float32
+    held = td.evaluate(draft, held_out, target.head, tc, device, used)  # float32
     draft = draft.cpu().eval()
     save_speculators(draft, out)
     report.update({
@@ -148,7 +148,7 @@ def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.Trai
     def log_metrics(metrics: dict, step: int) -> None:
         tracking.log_metrics(metrics, step=step)
 
-    result = td.fit(draft, lambda f: td.target_head(target, f), train_taps, held_out, tc, device,
+    result = td.fit(draft, target.head, train_taps, held_out, tc, device,
                     checkpoint=scratch_dir() / CHECKPOINT, checkpoint_every_s=float(dc.train.checkpoint_every_s),
                     eval_every=dc.train.get("eval_every"), log=log_metrics, log_every=int(dc.train.log_every),
                     used=used)

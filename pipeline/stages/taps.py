@@ -60,80 +60,41 @@ FIELDS = ("ids", "taps", "final", "top1", "mask")
 
 
 # --- the target, batched -----------------------------------------------------------------------------
-class BatchedDecoder:
-    """Greedy continuation of B prompts at once with a KV cache of its own ([B, kv, T, hd] per layer).
-
-    `step(tokens [B,t], pos [t])` runs the target's layers on t new tokens at absolute positions pos,
-    returning (last residual [B,t,H], taps [B,t,3H]). It mirrors Transformer.hidden + Block.forward using
-    the target's own modules; the cache is this object's, so the target's static batch-1 cache is untouched.
-    """
-
-    def __init__(self, target, batch: int, seq_len: int):
-        c = target.cfg
-        self.target, self.cfg = target, c
-        p = next(target.parameters())
-        shape = (batch, c.n_kv_heads, seq_len, c.head_dim)
-        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(c.n_layers)]
-        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(c.n_layers)]
-        self.tap_layers = c.taps
-
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor):
-        from models.layers import attention_mask
-
-        t, m = self.target, self.cfg
-        B, T = tokens.shape
-        n = int(pos[-1]) + 1
-        key_pos = torch.arange(n, device=tokens.device)
-        cos, sin = t.rope.tables(pos)
-        h = t.embed_tokens(tokens)
-        if m.embed_scale != 1.0:
-            h = h * torch.tensor(m.embed_scale, dtype=h.dtype)
-        tapped = [h] if 0 in self.tap_layers else []
-        for i, layer in enumerate(t.layers):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(h), cos, sin)
-            self.k[i][:, :, pos] = k
-            self.v[i][:, :, pos] = v
-            out = attn.attend(q, self.k[i][:, :, :n], self.v[i][:, :, :n], attention_mask(pos, key_pos, m.window(i)))
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, attn.n_heads * attn.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if i + 1 in self.tap_layers:
-                tapped.append(h)
-        return h, torch.cat(tapped, dim=-1)
-
-
-def top1_of(target, final: torch.Tensor) -> torch.Tensor:
-    from pipeline.train_draft import target_head
-
-    return target_head(target, final).argmax(-1)
-
-
 @torch.no_grad()
 def generate_tapped(target, prompts: torch.Tensor, seq_len: int) -> dict[str, torch.Tensor]:
-    """Greedy continuation of prompts [B,P] to seq_len tokens; ids, taps, final, top1 of every position."""
+    """Greedy continuation of prompts [B,P] to seq_len tokens; ids, taps, final, top1 of every position.
+
+    The target itself runs the batch, on a [B, kv, seq_len, hd] cache of its own layers (setup_cache), so
+    the states tapped here are the ones its exported methods compute; the batch-1 cache is restored after."""
     B, P = prompts.shape
-    dec = BatchedDecoder(target, B, seq_len)
-    H = target.cfg.hidden_size
     dev = prompts.device
     ids = torch.zeros(B, seq_len, dtype=torch.int64, device=dev)
     ids[:, :P] = prompts
-    taps = torch.empty(B, seq_len, 3 * H, device=dev)
-    final = torch.empty(B, seq_len, H, device=dev)
-    top1 = torch.empty(B, seq_len, dtype=torch.int64, device=dev)
-    h, tp = dec.step(prompts, torch.arange(P, device=dev))
-    taps[:, :P], final[:, :P], top1[:, :P] = tp, h, top1_of(target, h)
-    for t in range(P, seq_len):
-        ids[:, t] = top1[:, t - 1]
-        h, tp = dec.step(ids[:, t : t + 1], torch.tensor([t], device=dev))
-        taps[:, t : t + 1], final[:, t : t + 1], top1[:, t : t + 1] = tp, h, top1_of(target, h)
-    return {"ids": ids, "taps": taps, "final": final, "top1": top1}
+    out = {"taps": [], "final": [], "top1": []}
+
+    def step(tokens, pos):
+        final, tapped = target.hidden(tokens, pos, target.cfg.taps)
+        top1 = target.head(final).argmax(-1)
+        for name, value in (("taps", torch.cat(tapped, dim=-1)), ("final", final), ("top1", top1)):
+            out[name].append(value)
+        return top1[:, -1]
+
+    target.setup_cache(B, seq_len)
+    try:
+        nxt = step(prompts, torch.arange(P, device=dev))
+        for t in range(P, seq_len):
+            ids[:, t] = nxt
+            nxt = step(ids[:, t : t + 1], torch.tensor([t], device=dev))
+    finally:
+        target.setup_cache()
+    return {"ids": ids, **{name: torch.cat(parts, dim=1) for name, parts in out.items()}}
 
 
 @torch.no_grad()
 def tap_sequences(target, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """One stateless forward over ids [B,T]: taps, final, top1 of every position."""
     final, tapped = target.hidden(ids, None, target.cfg.taps)
-    return {"ids": ids, "taps": torch.cat(tapped, dim=-1), "final": final, "top1": top1_of(target, final)}
+    return {"ids": ids, "taps": torch.cat(tapped, dim=-1), "final": final, "top1": target.head(final).argmax(-1)}
 
 
 def generation_mask(ids: torch.Tensor, prompt_len: int, eos: int | None, mask_prompt: bool) -> torch.Tensor:
