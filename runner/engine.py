@@ -35,6 +35,7 @@ CONSTANT_METHODS = {
     "draft_vocab_size": "get_draft_vocab_size",
     "max_prefill_chunk": "get_max_prefill_chunk",
     "min_prefill_chunk": "get_min_prefill_chunk",
+    "sliding_window": "get_sliding_window",  # 0 = no sliding-window layer
 }
 PROGRAM_METHODS = ("prefill", "target_verify", "target_decode", "draft_decode")
 
@@ -91,8 +92,7 @@ class PteEngine:
         self.meta = {key: _scalar(self._constant(method)[0]) for key, method in CONSTANT_METHODS.items()}
         self.meta["manifest_hash"] = _manifest_hash(self._constant("get_manifest_hash"))
         self.meta["d2t"] = self._constant("get_d2t")[0].to(torch.long).clone()
-        window = self._constant("get_sliding_window")[0] if "get_sliding_window" in names else None
-        self.meta["sliding_window"] = (_scalar(window) or None) if window is not None else None
+        self.meta["sliding_window"] = self.meta["sliding_window"] or None
 
     def _constant(self, name: str):
         return self.program.load_method(name).execute([])

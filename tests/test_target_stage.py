@@ -116,17 +116,21 @@ def test_bad_hf_target_is_a_clear_error(tmp_path, case):
         run_target(tmp_path, "target=hf", f"target.path={path}")
 
 
-def test_corpus_split_depends_only_on_the_document_id(tmp_path):
+def test_corpus_split_depends_only_on_the_document_id(tmp_path, monkeypatch):
     from pipeline import data
 
+    # relative paths, so the document ids (and so the split) are the same on every run
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
     for i in range(40):
-        (tmp_path / f"f{i:02d}.txt").write_text(f"text {i}\n" * 3)
-    full = data.documents({"kind": "text", "paths": [str(tmp_path / "*.txt")], "held_out_fraction": 0.2})
-    capped = data.documents({"kind": "text", "paths": [str(tmp_path / "*.txt")], "held_out_fraction": 0.2,
-                             "max_bytes": 200})
+        (tmp_path / "corpus" / f"f{i:02d}.txt").write_text(f"text {i}\n" * 3)
+    cfg = {"kind": "text", "paths": ["corpus/*.txt"], "held_out_fraction": 0.2}
+    full = data.documents(cfg)
+    capped = data.documents({**cfg, "max_bytes": 400})
     held = {d.id for d in full if d.held_out}
     assert 0 < len(held) < 40
-    assert {d.id for d in capped if d.held_out} <= held, "capping never moves a file across the split"
+    capped_held = {d.id for d in capped if d.held_out}
+    assert capped_held and capped_held <= held, "capping never moves a file across the split"
     assert [d.id for d in full] == sorted(d.id for d in full)
 
 

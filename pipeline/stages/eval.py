@@ -51,10 +51,6 @@ PTE = "model.pte"
 
 def load_engine(cfg: DictConfig, upstream: dict):
     pte = PteEngine(Path(upstream["export"].path) / PTE)
-    # the .pte has no get_sliding_window: prefill chunks must not exceed the target's smallest window
-    target_cfg = json.loads((Path(upstream["target"].path) / "config.json").read_text())
-    windows = [w for w in (target_cfg.get("sliding_window") or []) if w]
-    pte.meta["sliding_window"] = min(windows) if windows else None
     if cfg.runtime.engine == "pte":
         return pte
     if cfg.runtime.engine != "eager":

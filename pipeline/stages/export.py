@@ -33,7 +33,7 @@ from pipeline.export_pte import check_export_args, export_pte
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: get_sliding_window is a required constant method
 UPSTREAM = ("target", "draft")
 CONFIG_KEYS = ("export",)
 PTE = "model.pte"
