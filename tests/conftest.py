@@ -1,6 +1,7 @@
 """Shared test fixtures. Expensive ones (an exported .pte) are session-scoped: build once, reuse everywhere."""
 
 import hashlib
+import os
 import types
 
 import pytest
@@ -42,3 +43,20 @@ def tiny_pte(tmp_path_factory):
     report = export_pte(_tiny_speculator(), out_path=path, manifest_hash=hashlib.sha256(b"tiny").hexdigest(),
                         progress=False, **args)
     return types.SimpleNamespace(path=path, speculator=_tiny_speculator, report=report, **args)
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """Triton kernels on the CPU: `kernels` decides compile-or-interpret at launch (kernels/_jit.py), so
+    setting TRITON_INTERPRET here is enough even after another module imported triton."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed per test (randomised checks never reuse inputs); returned so a failure can name it."""
+    import torch
+
+    s = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(s)
+    return s

@@ -4,7 +4,6 @@ CPU runs use Triton's interpreter. `kernels` decides compile-or-interpret when a
 kernels/_jit.py), so the fixture below may set TRITON_INTERPRET after any other module imported triton.
 """
 
-import os
 
 import pytest
 import torch
@@ -13,18 +12,6 @@ from kernels import int4_gemm as G
 
 MAX_M = 8
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def seed():
-    s = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(s)
-    return s
 
 
 def rel_err(out, ref):

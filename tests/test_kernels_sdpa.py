@@ -2,7 +2,6 @@
 empty splits, the model's strided q, export tracing. CPU runs use Triton's interpreter (see
 kernels/_jit.py for why setting TRITON_INTERPRET in a fixture is enough)."""
 
-import os
 
 import pytest
 import torch
@@ -11,18 +10,6 @@ from kernels import sdpa_midm as S
 
 MAX_M = 8
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def seed():
-    s = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(s)
-    return s
 
 
 def rel_err(out, ref):

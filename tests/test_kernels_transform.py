@@ -16,11 +16,6 @@ from models.target import Transformer
 MAX_M = 4
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
 CFG = TargetConfig(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_seq_len=64, tap_layers=(0, 1, 2), sliding_window=[None, 9])
 
