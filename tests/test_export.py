@@ -4,7 +4,7 @@ Each backend is exported ONCE per session: portable is conftest's `tiny_pte` (ex
 target, shared with the runner tests), xnnpack runs the export stage itself on a tiny target (2 layers,
 hidden 64, vocab 256, max_seq_len 64) and a draft over a 128-token draft vocab with a real d2t, saved as
 target/draft artifacts. Every test runs the real executorch.runtime against an eager Speculator with the
-same weights. int4 lowering takes over a minute even for this model: EXPORT_TEST_INT4=1 adds it.
+same weights. int4 lowering takes over a minute even for this model; EXPORT_TEST_INT4=0 skips it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pipeline import export_pte as export_lib
 
 MAX_M, CHAIN, MIN_PREFILL, MAX_PREFILL, MAX_SEQ = 4, 2, 5, 16, 64
 BACKENDS = [("portable", "none"), ("xnnpack", "none")]
-if os.environ.get("EXPORT_TEST_INT4"):
+if os.environ.get("EXPORT_TEST_INT4", "1") != "0":
     BACKENDS.append(("xnnpack", "int4"))
 
 
