@@ -30,6 +30,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipeline.export_pte import check_export_args, export_pte
+from pipeline.store import hash_tree
 
 log = logging.getLogger(__name__)
 
@@ -99,28 +100,15 @@ def load_pair(target_dir: Path, draft_dir: Path):
     return Speculator(target, draft).eval()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _files(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): _sha256(p) for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != "manifest.json"}
-
-
 def pairing_facts(target_dir: Path, draft_dir: Path, speculator) -> dict:
     """What the .pte's manifest hash stands for (JSON-able)."""
-    target_files = _files(Path(target_dir))
+    target_files = hash_tree(Path(target_dir))
     if "tokenizer.json" not in target_files:
         log.warning("export: target %s has no tokenizer.json; the manifest hash covers weights only", target_dir)
     d2t = speculator.draft.d2t.detach().cpu().to(torch.int64).contiguous()
     return {
         "target_files": target_files,
-        "draft_files": _files(Path(draft_dir)),
+        "draft_files": hash_tree(Path(draft_dir)),
         "tokenizer_sha256": target_files.get("tokenizer.json"),
         "tap_layers": list(speculator.target.cfg.taps),
         "d2t_sha256": hashlib.sha256(d2t.numpy().tobytes()).hexdigest(),

@@ -33,7 +33,6 @@ stateless forward (same greedy tokens, same taps within float tolerance).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -47,7 +46,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from pipeline import data, tracking
-from pipeline.store import scratch_dir
+from pipeline.store import scratch_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +169,6 @@ def load_taps(path, split: str) -> dict[str, torch.Tensor]:
     out = {k: torch.cat([s[k] for s in shards]) for k in FIELDS}
     out["ids"], out["top1"] = out["ids"].long(), out["top1"].long()
     return out
-
-
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 # --- the stage ------------------------------------------------------------------------------------------
