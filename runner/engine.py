@@ -57,17 +57,6 @@ def _scalar(value):
     return int(value)
 
 
-def _manifest_hash(outputs) -> str:
-    """get_manifest_hash returns a string, or int64 words of the hash's first bytes; normalise to hex text."""
-    value = outputs[0] if len(outputs) == 1 else list(outputs)
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (bytes, bytearray)):
-        return value.decode()
-    words = value.reshape(-1).tolist() if isinstance(value, torch.Tensor) else [int(v) for v in value]
-    return "".join(f"{w & 0xFFFFFFFFFFFFFFFF:016x}" for w in words)
-
-
 class PteEngine:
     """One loaded ExecuTorch program. Its methods share the mutable KV caches, so one PteEngine serves any
     number of generations in sequence: every generation rewrites the cache from position 0."""
@@ -90,7 +79,7 @@ class PteEngine:
                              f"re-export it with the export stage")
         self._methods = {name: self.program.load_method(name) for name in PROGRAM_METHODS}
         self.meta = {key: _scalar(self._constant(method)[0]) for key, method in CONSTANT_METHODS.items()}
-        self.meta["manifest_hash"] = _manifest_hash(self._constant("get_manifest_hash"))
+        self.meta["manifest_hash"] = str(self._constant("get_manifest_hash")[0])  # 64 hex chars (sha256)
         self.meta["d2t"] = self._constant("get_d2t")[0].to(torch.long).clone()
         self.meta["sliding_window"] = self.meta["sliding_window"] or None
 
