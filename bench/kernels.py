@@ -1,10 +1,12 @@
 """One benchmark of the GPU kernels against their peers and the bytes floor (run on the lent H200).
 
-    python3 -m bench.kernels --out $OUT/kernels.json [--tune] [--only check,gemm,sdpa,model]
+    python3 -m bench.kernels --out $OUT/kernels.json [--tune] [--tune-sdpa]
+                             [--only check,gemm,sdpa,model,profile]
 
 Sections (each writes its results into the JSON as soon as it finishes, so a cut-off run still reports):
 - env: device, copy bandwidth (device-to-device copy of 2 GiB, bytes read + written / time);
-- check: kernels against their references on random inputs (poisoned outputs), and the peer's packing;
+- check: kernels against their references on random inputs (poisoned outputs), the peer's packing, and
+  both ops replayed from a CUDA graph (programmatic dependent launch inside a graph) against eager calls;
 - tune (--tune): a few launch configurations per GEMM shape and for SDPA, timed at M = 1 and 8; the
   winners are installed in kernels.int4_gemm.CONFIGS / kernels.sdpa_midm.CONFIG for the rest of the run
   and written to the JSON (copy them into the code);
@@ -13,7 +15,9 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
 - sdpa: L in {4096, 32768, 131072}, M = 1..8, Hq 32 / Hkv 8 / D 128: ours, torch SDPA with the same bool
   mask (enable_gqa), the floor = K+V bytes / copy bandwidth;
 - model: Llama-3-8B shapes with random weights, CUDA-graph replays of the cached forward at 4096 and 32768
-  positions, T in {1, 2, 4, 8}: ours (kernels.transform) and the same model on torch int4 + torch SDPA.
+  positions, T in {1, 2, 4, 8}: ours (kernels.transform, separate and fused q|k|v, gate|up linears) and the
+  same two models on torch int4 + torch SDPA;
+- profile: where the forward's kernel time goes at T = 1 against T = 2 (ctx 4096).
 Timing: each measurement captures a CUDA graph of many calls that rotate over enough input copies to
 exceed the 60 MB L2 several times, replays it repeatedly, and reports the median per-call time.
 """
@@ -163,11 +167,48 @@ def section_check():
         RESULTS["ptx_failed"] = traceback.format_exc()[-1500:]
         check_int4()
     check_sdpa()
+    try:
+        check_graph_replay()
+    except Exception:
+        log(f"graph replay with programmatic dependent launch failed; turning it off:\n"
+            f"{traceback.format_exc()[-1500:]}")
+        G.USE_PDL = S.USE_PDL = False
+        RESULTS["pdl_failed"] = traceback.format_exc()[-1500:]
+        check_graph_replay()
+
+
+def check_graph_replay():
+    """Both ops captured in a CUDA graph (with PDL edges where enabled) give the eager result on new inputs."""
+    out = RESULTS["check"]
+    packed, scale, zero = (t.cuda() for t in G.quantize_int4(torch.randn(5000, 4096, device="cuda"), 128))
+    x = torch.randn(8, 4096, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(1, 8, 9000, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(1, 32, 8, 128, device="cuda").to(torch.bfloat16)
+    q_pos = torch.arange(8000, 8008, device="cuda")
+    calls = lambda: (G.int4_mm(x, packed, scale, zero, 128), S.sdpa_midm(q, k, v, q_pos))
+    calls()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y_g, o_g = calls()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        q.copy_(torch.randn_like(q))
+        y_g.fill_(float("nan"))
+        o_g.fill_(float("nan"))
+        g.replay()
+        y, o = calls()
+        torch.cuda.synchronize()
+        assert torch.equal(y_g, y) and torch.equal(o_g, o), "graph replay differs from the eager call"
+    out["graph_replay_pdl"] = dict(gemm=G.USE_PDL, sdpa=S.USE_PDL)
+    log(f"check graph replay: equal to eager (PDL gemm={G.USE_PDL} sdpa={S.USE_PDL})")
+    save()
 
 
 def check_int4():
     out = RESULTS["check"]
     out["use_ptx"] = G.USE_PTX
+    out["use_pdl"] = G.USE_PDL
     global TINYGEMM_EVEN_HIGH
     for group in (32, 128):
         N, K = 3000, 4096
@@ -176,7 +217,8 @@ def check_int4():
         for M in range(1, 17):
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ G.dequantize_int4(packed, scale, zero, group, torch.float64).t()
-            for cfg in (None, (64, 128, 4, 4, 3), (128, 256, 1, 8, 3), (256, 128, 2, 8, 3)):
+            for cfg in (None, (64, 128, 4, 4, 3), (64, 256, 2, 4, 3, 96), (128, 128, 2, 4, 4),
+                        (128, 256, 1, 8, 3)):
                 y = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
                 G.launch_int4_mm(x, packed, scale, zero, group, cfg, out=y)
                 e = rel_err(y, ref) if not y.isnan().any() else float("nan")
@@ -236,9 +278,10 @@ def gemm_floor_bytes(M, K, N, group):
     return N * K / 2 + 2 * (K // group) * N * 2 + M * K * 2 + M * N * 2
 
 
-GEMM_CANDIDATES = [  # (BLOCK_N, BLOCK_K, warps, stages); SPLIT_K in {1, 2, 4, 8} is added per shape
-    (64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4), (64, 512, 4, 3), (128, 128, 4, 3), (128, 128, 4, 4),
-    (128, 256, 8, 3),
+# (BLOCK_N, BLOCK_K, warps, stages[, register cap]); SPLIT_K in {1, 2, 4, 8} is added per shape
+GEMM_CANDIDATES = [
+    (64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4), (64, 512, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3),
+    (64, 256, 4, 3, 96), (64, 128, 4, 4, 96),  # 96 registers: 5 programs per SM instead of 4, no spills
 ]
 
 
@@ -250,7 +293,8 @@ def section_tune():
         ops = gemm_operands(K, N, 128, copies)
         xs = {M: [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)] for M in (1, 8)}
         best, rows = None, []
-        for bn, bk, warps, stages in GEMM_CANDIDATES:
+        t_shape = time.time()
+        for bn, bk, warps, stages, *max_regs in GEMM_CANDIDATES:
             for split in (1, 2, 4, 8):
                 if K % (split * bk) or K // split < 512:
                     continue
@@ -259,7 +303,7 @@ def section_tune():
                     continue
                 if split == 1 and tiles < 66 and K >= 4096:
                     continue
-                cfg = (bn, bk, split, warps, stages)
+                cfg = (bn, bk, split, warps, stages, *max_regs)
                 try:
                     ts = [time_calls([lambda i=i, M=M: G.launch_int4_mm(xs[M][i], *ops[i], 128, cfg)
                                       for i in range(copies)], reps=10) for M in (1, 8)]
@@ -272,9 +316,16 @@ def section_tune():
                     best = (score, cfg)
         floor = gemm_floor_bytes(8, K, N, 128) / bw * 1e6
         table[(K, N, 128)] = best[1]
-        table[(K, N, 32)] = best[1] if best[1][1] >= 128 else (best[1][0], 128) + best[1][2:]
+        table[(K, N, 32)] = best[1][:5]  # (the register cap is for group 128's epilogue)
         detail[f"{K}x{N}"] = dict(best=best[1], best_us=best[0], floor_us_m8=floor, rows=rows)
-        log(f"tune {K}x{N}: best {best[1]} {best[0]:.1f} us (floor {floor:.1f} us)")
+        log(f"tune {K}x{N}: best {best[1]} {best[0]:.1f} us (floor {floor:.1f} us) "
+            f"[{time.time() - t_shape:.0f} s]")
+        if G.USE_PDL:  # the same winner without programmatic dependent launch, at M = 1
+            G.USE_PDL = False
+            detail[f"{K}x{N}"]["no_pdl_us_m1"] = time_calls(
+                [lambda i=i: G.launch_int4_mm(xs[1][i], *ops[i], 128, best[1]) for i in range(copies)], reps=10)
+            G.USE_PDL = True
+            log(f"   without PDL at M=1: {detail[f'{K}x{N}']['no_pdl_us_m1']:.1f} us")
         del ops, xs
         torch.cuda.empty_cache()
     G.CONFIGS.update(table)
@@ -284,8 +335,8 @@ def section_tune():
         return
     # sdpa: block_n, warps, stages, programs per SM
     sdpa_rows, best = [], None
-    for block_n, warps, stages, pps in [(64, 4, 3, 4), (64, 4, 4, 4), (128, 4, 2, 4), (128, 8, 3, 4),
-                                        (64, 4, 3, 2), (64, 4, 3, 8)]:
+    for block_n, warps, stages, pps in [(64, 4, 3, 2), (64, 4, 3, 3), (64, 4, 3, 4), (64, 4, 4, 2),
+                                        (64, 8, 3, 2), (128, 4, 2, 2), (128, 8, 3, 2), (32, 4, 4, 4)]:
         S.CONFIG.update(block_n=block_n, warps=warps, stages=stages, programs_per_sm=pps)
         try:
             ts = [sdpa_time_ours(L, M, reps=8) for L in (32768, 131072) for M in (1, 8)]
@@ -299,6 +350,12 @@ def section_tune():
         log(f"tune sdpa {(block_n, warps, stages, pps)}: {['%.1f' % t for t in ts]}")
     block_n, warps, stages, pps = best[1]
     S.CONFIG.update(block_n=block_n, warps=warps, stages=stages, programs_per_sm=pps)
+    if S.USE_PDL:
+        S.USE_PDL = False
+        no_pdl = [sdpa_time_ours(L, M, reps=8) for L in (32768, 131072) for M in (1, 8)]
+        S.USE_PDL = True
+        sdpa_rows.append(("winner without PDL", no_pdl))
+        log(f"tune sdpa winner without PDL: {['%.1f' % t for t in no_pdl]}")
     RESULTS["tune"] = dict(gemm_configs={f"{k[0]},{k[1]},{k[2]}": v for k, v in table.items()},
                            gemm=detail, sdpa_config=dict(S.CONFIG), sdpa=sdpa_rows)
     save()
@@ -464,28 +521,63 @@ def profile_forward(model, ctx: int, T: int, top: int = 14) -> dict:
     return dict(kernels=sum(r[1] for r in rows), total_us=sum(r[2] for r in rows), top=rows[:top])
 
 
-def section_model():
-    from kernels.transform import to_kernels
+def llama3_8b(max_seq_len: int):
+    """The models/ target with Llama-3-8B shapes and random bf16 weights on the GPU, ready for graph capture."""
     from models.config import TargetConfig
     from models.target import Transformer
 
-    contexts, Ts = (4096, 32768), (1, 2, 4, 8)
-    cfg = TargetConfig(**LLAMA3_8B, max_seq_len=max(contexts) + 256, tap_layers=None)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = Transformer(cfg)
+        model = Transformer(TargetConfig(**LLAMA3_8B, max_seq_len=max_seq_len, tap_layers=None))
     torch.set_default_dtype(torch.float32)
     model.eval()
     model._check_cached_call = lambda tokens, input_pos: None  # its int() host sync cannot be graph-captured
+    return model
+
+
+def section_profile():
+    """Where a cached forward's time goes at T = 1 against T = 2 (kernels/transform on Llama-3-8B shapes,
+    ctx 4096): the kernels whose summed CUDA time or count differs most."""
+    from kernels.transform import to_kernels
+
+    model = llama3_8b(max_seq_len=4096 + 256)
+    out = {}
+    for name, fuse in (("fused", True), ("ours", False)):
+        m = to_kernels(copy.deepcopy(model), max_m=8, group=128, fuse=fuse)
+        set_cache_capacity(m, 4096 + 256)
+        profs = {T: profile_forward(m, 4096, T, top=400) for T in (1, 2)}
+        by = {T: {r[0]: (r[1], r[2]) for r in p["top"]} for T, p in profs.items()}
+        diff = sorted(((by[2].get(k, (0, 0))[1] - by[1].get(k, (0, 0))[1], by[1].get(k, (0, 0))[0],
+                        by[2].get(k, (0, 0))[0], k) for k in set(by[1]) | set(by[2])), reverse=True)
+        out[name] = dict(T1=dict(kernels=profs[1]["kernels"], total_us=profs[1]["total_us"]),
+                         T2=dict(kernels=profs[2]["kernels"], total_us=profs[2]["total_us"]), diff=diff[:25])
+        log(f"profile {name}: T=1 {profs[1]['kernels']} kernels {profs[1]['total_us']:.0f} us; "
+            f"T=2 {profs[2]['kernels']} kernels {profs[2]['total_us']:.0f} us; graph replay "
+            f"T=1 {time_forward(m, 4096, 1):.0f} us, T=2 {time_forward(m, 4096, 2):.0f} us")
+        for d, c1, c2, k in diff[:12]:
+            log(f"   {d:+9.1f} us  x{c1}->x{c2}  {k}")
+        del m
+        torch.cuda.empty_cache()
+    RESULTS["profile_t1_t2"] = out
+    save()
+
+
+def section_model():
+    from kernels.transform import to_kernels
+
+    contexts, Ts = (4096, 32768), (1, 2, 4, 8)
     t0 = time.time()
+    model = llama3_8b(max_seq_len=max(contexts) + 256)
+    cfg = model.cfg
     fused = to_kernels(copy.deepcopy(model), max_m=8, group=128, fuse=True)
     to_kernels(model, max_m=8, group=128)
     torch.cuda.empty_cache()
     log(f"model: built and quantised in {time.time() - t0:.0f} s; "
         f"{torch.cuda.memory_allocated() / 1e9:.1f} GB allocated")
     peer = torch_peer(copy.deepcopy(model))
-    variants = (("ours", model), ("fused", fused), ("torch", peer))
+    peer_fused = torch_peer(copy.deepcopy(fused))  # the same fused q|k|v and gate|up weights on torch's kernels
+    variants = (("ours", model), ("fused", fused), ("torch", peer), ("torch_fused", peer_fused))
     weight_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
                        if n.endswith(("packed", "scale", "zero")))
     out = dict(weight_bytes=weight_bytes, rows=[])
@@ -553,7 +645,8 @@ def print_tables():
         for r in RESULTS["model"]["rows"]:
             log(f"ctx {r['ctx']:>6} T={r['T']}: ours {r.get('ours_us', float('nan')):8.1f}  "
                 f"ours-fused {r.get('fused_us', float('nan')):8.1f}  "
-                f"torch {r.get('torch_us', float('nan')):8.1f}  floor {r['floor_us']:7.1f}")
+                f"torch {r.get('torch_us', float('nan')):8.1f}  "
+                f"torch-fused {r.get('torch_fused_us', float('nan')):8.1f}  floor {r['floor_us']:7.1f}")
 
 
 def main():
@@ -577,7 +670,8 @@ def main():
     save()
     sections = args.only.split(",")
     plan = [("check", section_check)] * ("check" in sections) + [("tune", section_tune)] * args.tune + \
-        [(n, f) for n, f in (("gemm", section_gemm), ("model", section_model), ("sdpa", section_sdpa))
+        [(n, f) for n, f in (("gemm", section_gemm), ("sdpa", section_sdpa), ("model", section_model),
+                              ("profile", section_profile))
          if n in sections]
     for name, fn in plan:
         t0 = time.time()

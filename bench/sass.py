@@ -56,12 +56,12 @@ def report(k, name: str) -> dict:
 
 def int4(block_n, block_k, group, split, warps, stages):
     from kernels.int4_gemm import BLOCK_M, _int4_mm_kernel
-    sig = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16", ws_ptr="*fp32",
-               cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32", stride_ym="i32",
+    sig = dict(xp_ptr="*bf16", xs_ptr="*fp32", w_ptr="*u8", s_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16",
+               ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_ym="i32",
                GROUP="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", BLOCK_M="constexpr",
-               SPLIT_K="constexpr", PTX="constexpr")
-    const = dict(GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split, PTX=True)
-    aligned = [a for a, t in sig.items() if t.startswith("*")] + ["N", "K", "stride_xm", "stride_ym"]
+               SPLIT_K="constexpr", PTX="constexpr", PDL="constexpr")
+    const = dict(GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split, PTX=True, PDL=True)
+    aligned = [a for a, t in sig.items() if t.startswith("*")] + ["N", "K", "stride_ym"]
     return compile_sm90(_int4_mm_kernel.get(), sig, const, warps, stages, aligned)
 
 
@@ -72,9 +72,9 @@ def sdpa(block_r, block_n, warps, stages, G=4, m_pad=8, D=128):
                stride_qb="i32", stride_qh="i32", stride_qm="i32", stride_kb="i32", stride_kh="i32",
                stride_kl="i32", stride_vb="i32", stride_vh="i32", stride_vl="i32", SPLITS="i32",
                H_KV="constexpr", G="constexpr", M_PAD="constexpr", BLOCK_R="constexpr", BLOCK_N="constexpr",
-               D="constexpr", HAS_VLEN="constexpr", HAS_WINDOW="constexpr")
+               D="constexpr", HAS_VLEN="constexpr", HAS_WINDOW="constexpr", PDL="constexpr")
     const = dict(H_KV=8, G=G, M_PAD=m_pad, BLOCK_R=block_r, BLOCK_N=block_n, D=D, HAS_VLEN=True,
-                 HAS_WINDOW=False)
+                 HAS_WINDOW=False, PDL=True)
     aligned = [a for a, t in sig.items() if t.startswith("*")] + [a for a in sig if a.startswith("stride")] + ["L"]
     return compile_sm90(_sdpa_split_kernel.get(), sig, const, warps, stages, aligned)
 

@@ -5,22 +5,26 @@ Format (ours, group g in {32, 128}):
   scale, zero  bf16 [K/g, N] (group-major, so one group's values for a tile of columns are contiguous);
   w[n, k] = (q[n, k] - zero[k // g, n]) * scale[k // g, n], with q in 0..15 and integer zero in 0..15.
 
-Kernel (`int4_mm`): one program owns BLOCK_N output columns (and one of SPLIT_K slices of K). The
-weights are the left operand of the tensor-core product, so the tile [BLOCK_N, k] is dequantised in
-registers and the M activation rows (padded to 16) are the right operand: weight traffic does not grow
-with M. Dequantisation is about one integer op per weight: q | 0x4300 read as bf16 is exactly 128 + q, the
+Two launches per call. `_int4_prep_kernel` reads x once and writes what every program of the GEMM would
+otherwise recompute: x with the k order inside each group permuted (see below) and the per-group sums
+X[m, g] = sum over the group of x[m, k] in float32. `_int4_mm_kernel`: one program owns BLOCK_N output
+columns (and one of SPLIT_K slices of K). The weights are the left operand of the tensor-core product, so
+the tile [BLOCK_N, k] is dequantised in registers and the M activation rows (padded to 16) are the right
+operand, streamed from global to shared memory untouched: weight traffic does not grow with M.
+Dequantisation is about one integer op per weight: q | 0x4300 read as bf16 is exactly 128 + q, the
 products against x run on the tensor cores, and the group's affine map is applied to the [BLOCK_N, 16]
 partial sum instead of to every weight:
-  sum_k x_k (q_k - z) s = s * (sum_k x_k (128 + q_k) - (128 + z) * sum_k x_k).
+  sum_k x_k (q_k - z) s = s * (sum_k x_k (128 + q_k) - (128 + z) * X).
 The weights are read as 32-bit words; one shift + one lop3 turns nibbles s and s+4 of a word into a
-bf16x2 register. The k order inside a group is permuted (on x and the weights alike) so that each
-thread's tensor-core fragment comes from 4 contiguous words (one 16-byte load). All of it is elementwise
-tensor code, so the interpreter runs the same permutation the GPU does (only the single lop3 is inline
-PTX, replaced by plain and/or there). With SPLIT_K > 1 each program writes an fp32 partial; the last
-program of a column tile to arrive (a per-tile counter, reset by that program) sums the partials in split
-order and writes the output, so the result is deterministic and the op is one launch.
-Measured on the H200 (bench/NOTES.md): M-independent cost; faster than bf16 cuBLAS at every M <= 8 and
-than torch's tinygemm from M = 3; 0.22-0.43 of the bytes floor (issue/latency-bound, not bandwidth-bound).
+bf16x2 register. The k order inside a group is permuted (on x and the weights alike; the product sums
+over k, so this is exact) so that each thread's tensor-core fragment comes from 4 contiguous words (one
+16-byte load). All of it is elementwise tensor code, so the interpreter runs the same permutation the GPU
+does (only the single lop3 is inline PTX, replaced by plain and/or there). With SPLIT_K > 1 each program
+writes an fp32 partial; the last program of a column tile to arrive (a per-tile counter, reset by that
+program) sums the partials in split order and writes the output, so the result is deterministic.
+On the GPU the GEMM is launched with programmatic dependent launch: its programs start while the prep
+kernel finishes and wait (griddepcontrol.wait) before the first read of its output.
+Measured on the H200: bench/NOTES.md.
 
 `int4_mm_reference` is the plain PyTorch definition (dequantise, then matmul) the tests compare against.
 """
@@ -30,11 +34,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._jit import lazy_jit
 
 BLOCK_M = 16  # activation rows per launch (the tensor-core minimum); M <= BLOCK_M
 USE_PTX = True  # the one-instruction lop3 on the GPU (False: plain and/or, same values, one more op per pair)
+USE_PDL = True  # programmatic dependent launch of the GEMM after the prep kernel (GPU only)
 GROUPS = (32, 128)
 
 
@@ -74,11 +80,31 @@ def int4_mm_reference(x: torch.Tensor, packed, scale, zero, group: int) -> torch
 
 # ----------------------------------------------------------------------------- kernel
 
+@lazy_jit(do_not_specialize=["M"])
+def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      PDL: tl.constexpr):
+    """One program per group of k: xp[:, group] = x[:, group] in the fragment order, xs[:, g] = its sum."""
+    if PDL:
+        gdc_launch_dependents()  # the GEMM's programs may be scheduled now; they wait for this grid's writes
+    g = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    cols = tl.arange(0, GROUP)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + g * GROUP + cols[None, :], mask=m_ok[:, None], other=0.0)
+    tl.store(xs_ptr + offs_m * (K // GROUP) + g, tl.sum(x.to(tl.float32), axis=1))  # rows >= M: zeros
+    # The k order of _int4_mm_kernel's weight fragments: k = 8 (Q t + v) + s + 4 half (word Q t + v, shift s,
+    # half 0 or 1 of the bf16 pair; Q = GROUP / 32) goes to position ((v * 4 + s) * 4 + t) * 2 + half.
+    x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, 4, GROUP // 32, 2, 4)), (0, 2, 4, 1, 3)), (BLOCK_M, GROUP))
+    tl.store(xp_ptr + offs_m[:, None] * K + g * GROUP + cols[None, :], x, mask=m_ok[:, None])
+
+
 @lazy_jit(do_not_specialize=["M"])  # one binary for every M (1 would be specialised)
-def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
-                    M, N, K, stride_xm, stride_ym,
+def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
+                    M, N, K, stride_ym,
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr):
+                    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()  # the prep kernel's xp and xs are complete past this point
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,7 +114,7 @@ def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     words = tl.arange(0, GROUP // 8)
     cols = tl.arange(0, GROUP)
     w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n.to(tl.int64)[:, None] * (K // 8)
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    x_rows = xp_ptr + offs_m[:, None] * K
     k_len = tl.multiple_of(K // SPLIT_K, BLOCK_K)  # the launcher checks K % (SPLIT_K * BLOCK_K) == 0
     k_start = pid_k * k_len
     Q: tl.constexpr = GROUP // 32
@@ -97,7 +123,12 @@ def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     for k0 in range(0, k_len, BLOCK_K):  # (offset loop: the interpreter cannot range over program ids)
         for j in tl.static_range(BLOCK_K // GROUP):
             kg = tl.multiple_of(k_start + k0 + j * GROUP, GROUP)
-            wd = tl.load(w_rows + (kg // 8 + words)[None, :], mask=n_ok[:, None], other=0)  # int32 words
+            g = kg // GROUP
+            # the group's scale, zero and X first, so that their latency overlaps the unpacking and product
+            x_sum = tl.load(xs_ptr + offs_m * (K // GROUP) + g)  # [BLOCK_M, K / GROUP], zero past M
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_ok).to(tl.float32)
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok).to(tl.float32)
+            wd = tl.load(w_rows + (kg // 8 + words)[None, :], mask=n_ok[:, None])  # int32 words
             x = tl.load(x_rows + (kg + cols)[None, :], mask=m_ok[:, None], other=0.0)
             # Nibble s of a word holds k = 8 word + s (s < 8). (word >> 4s) & 0x000F000F | 0x43004300 is a
             # bf16 pair (128 + q[s], 128 + q[s+4]) in one lop3 (bf16 bits 0x4300 | q = 128 + q exactly).
@@ -116,19 +147,14 @@ def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                 o2 = ((wd >> 8) & 0x000F000F) | 0x43004300
                 o3 = ((wd >> 12) & 0x000F000F) | 0x43004300
             o = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [BLOCK_N, GROUP/8 words, 4 shifts s]
-            # The product sums over k, so k may be reordered on both operands. Word 4t + v (t < 4,
-            # v < GROUP/32) shift s becomes fragment pair (v * 4 + s) * 4 + t: a thread holds pairs
+            # The product sums over k, so k may be reordered on both operands. Word Q t + v (t < 4,
+            # v < Q) shift s becomes fragment pair (v * 4 + s) * 4 + t: a thread holds pairs
             # t + 4i of each row in the tensor-core fragment, so its 16 pairs are its own 4 contiguous words
-            # (one 16-byte load); x is gathered in the same order.
+            # (one 16-byte load); the prep kernel stored x in the same order.
             o = tl.reshape(tl.permute(tl.reshape(o, (BLOCK_N, 4, Q, 4)), (0, 2, 3, 1)), (BLOCK_N, GROUP // 2))
             w = tl.reshape(tl.join((o & 0xFFFF).to(tl.int16), (o >> 16).to(tl.int16)), (BLOCK_N, GROUP))
             w = w.to(tl.bfloat16, bitcast=True)
-            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, 4, Q, 2, 4)), (0, 2, 4, 1, 3)), (BLOCK_M, GROUP))
             part = tl.dot(w, tl.trans(x))  # = sum_k x (q - z) + (128 + z) X,  X = the group's sum of x
-            x_sum = tl.sum(x.to(tl.float32), axis=1)
-            g = kg // GROUP
-            s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             acc += s[:, None] * (part - (z + 128.0)[:, None] * x_sum[None, :])
 
     out_ok = n_ok[:, None] & m_ok[None, :]
@@ -150,25 +176,25 @@ def _int4_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
 
 # ----------------------------------------------------------------------------- launch configuration
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) per (K, N, group), from the tuning run on the H200
-# (python3 -m bench.kernels --tune; bench/NOTES.md). Shapes not listed take `default_config`.
-CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
-    (4096, 4096, 128): (64, 128, 8, 4, 4),
-    (4096, 14336, 128): (64, 128, 2, 4, 4),
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, register cap per thread]) per (K, N, group), from the
+# tuning run on the H200 (python3 -m bench.kernels --tune; bench/NOTES.md). Other shapes: `default_config`.
+CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
+    (4096, 4096, 128): (64, 256, 8, 4, 3),
+    (4096, 14336, 128): (64, 256, 2, 4, 3),
     (14336, 4096, 128): (64, 256, 8, 4, 3),
     (5376, 21504, 128): (64, 256, 1, 4, 3),
-    (21504, 5376, 128): (128, 128, 8, 4, 3),
+    (21504, 5376, 128): (64, 256, 4, 4, 3),
     (8192, 28672, 128): (64, 256, 2, 4, 3),
     (4096, 1024, 128): (64, 512, 8, 4, 3),     # Llama-3-8B k_proj / v_proj
     (4096, 128256, 128): (64, 256, 1, 4, 3),   # Llama-3-8B lm_head
-    (4096, 6144, 128): (64, 128, 4, 4, 4),     # fused q|k|v
+    (4096, 6144, 128): (64, 256, 4, 4, 3),     # fused q|k|v
     (4096, 28672, 128): (64, 256, 1, 4, 3),    # fused gate|up
 }
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 15
 
 
-def default_config(N: int, K: int, group: int, sms: int = 132) -> tuple[int, int, int, int, int]:
+def default_config(N: int, K: int, group: int, sms: int = 132) -> tuple[int, ...]:
     """What the tuning run favoured: 64-column tiles, 4 warps, and K split until there are ~4 programs per
     SM (the kernel is latency-bound, so more resident programs beat larger tiles), each split >= 512 deep."""
     block_n = 64
@@ -180,7 +206,7 @@ def default_config(N: int, K: int, group: int, sms: int = 132) -> tuple[int, int
     return block_n, block_k, split, 4, 3
 
 
-def pick_config(N: int, K: int, group: int) -> tuple[int, int, int, int, int]:
+def pick_config(N: int, K: int, group: int) -> tuple[int, ...]:
     return CONFIGS.get((K, N, group)) or default_config(N, K, group)
 
 
@@ -193,23 +219,31 @@ def counters(device: torch.device) -> torch.Tensor:
 
 
 def launch_int4_mm(x, packed, scale, zero, group: int, config=None, out=None) -> torch.Tensor:
-    """Launch the kernel (no op registration): x [M, K] bf16, M <= 16 -> y [M, N] bf16."""
+    """Launch the two kernels (no op registration): x [M, K] bf16, M <= 16 -> y [M, N] bf16."""
     M, K = x.shape
     N = packed.shape[0]
     if M > BLOCK_M:
         raise ValueError(f"int4_mm takes M <= {BLOCK_M} rows; got {M} (use the dense path)")
-    block_n, block_k, split, warps, stages = config or pick_config(N, K, group)
+    block_n, block_k, split, warps, stages, *max_regs = config or pick_config(N, K, group)
     if K % (split * block_k) or block_k % group:
         raise ValueError(f"config {config} does not tile K={K} with group {group}")
-    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
-    ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
-    cnt = counters(x.device) if split > 1 else y
     grid = (triton.cdiv(N, block_n), split)
     if grid[0] > _MAX_TILES:
         raise ValueError(f"N={N} needs {grid[0]} column tiles; the counter buffer has {_MAX_TILES}")
-    _int4_mm_kernel[grid](x, packed, scale, zero, y, ws, cnt, M, N, K, x.stride(0), y.stride(0),
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    xp = torch.empty((M, K), dtype=x.dtype, device=x.device)
+    xs = torch.empty((BLOCK_M, K // group), dtype=torch.float32, device=x.device)
+    ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
+    cnt = counters(x.device) if split > 1 else y
+    compiled = not triton.knobs.runtime.interpret
+    pdl = USE_PDL and compiled
+    _int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=BLOCK_M, PDL=pdl,
+                                     num_warps=4)
+    _int4_mm_kernel[grid](xp, xs, packed, scale, zero, y, ws, cnt, M, N, K, y.stride(0),
                           GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split,
-                          PTX=USE_PTX and not triton.knobs.runtime.interpret, num_warps=warps, num_stages=stages)
+                          PTX=USE_PTX and compiled, PDL=pdl, num_warps=warps, num_stages=stages,
+                          **({"launch_pdl": True} if pdl else {}),
+                          **({"maxnreg": max_regs[0]} if max_regs else {}))
     return y
 
 

@@ -12,9 +12,11 @@ launch has no host sync and can be captured in a CUDA graph.
 Kernel 1 (grid SPLITS x B*Hkv): a program owns one KV head and one of SPLITS equal chunks of [0, end).
 All G*M query rows of that KV head (G heads x M rows, padded to BLOCK_R >= 16) stay resident, so each K/V
 tile is loaded once for every q head and every row: KV traffic is independent of G and M. Online softmax
-in fp32 (exp2 domain) gives a partial (m, l, acc) per row and split. Kernel 2 (grid B*Hkv x G*M) merges the
-splits with a log-sum-exp reduce and writes the output as a [B, M, Hq, D] buffer returned as its
-[B, Hq, M, D] view, so the usual `.transpose(1, 2).reshape(B, M, Hq*D)` that follows is free.
+in fp32 (exp2 domain) gives a partial (m, l, acc) per row and split. The split count fills one wave of
+programs (see `default_splits`). Kernel 2 (grid B*Hkv x G*M; programmatic dependent launch on the GPU, so
+it is scheduled while kernel 1 runs) merges the splits with a log-sum-exp reduce and writes the output as a
+[B, M, Hq, D] buffer returned as its [B, Hq, M, D] view, so the usual `.transpose(1, 2).reshape(B, M, Hq*D)`
+that follows is free.
 
 `sdpa_reference` is the plain PyTorch definition the tests compare against.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._jit import lazy_jit
 
@@ -65,7 +68,9 @@ def _sdpa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, vlen_ptr, ml_ptr, acc_ptr,
                        stride_vb, stride_vh, stride_vl,
                        SPLITS, H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                       HAS_VLEN: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                       HAS_VLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()  # the reduce grid may be scheduled now; it waits for this grid's writes
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -112,13 +117,15 @@ def _sdpa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, vlen_ptr, ml_ptr, acc_ptr,
     part = pid_bh * SPLITS + pid_s
     tl.store(ml_ptr + (part * 2) * BLOCK_R + r, m_i)
     tl.store(ml_ptr + (part * 2 + 1) * BLOCK_R + r, l_i)
-    tl.store(acc_ptr + (part * BLOCK_R + r)[:, None] * D + d[None, :], acc)
+    tl.store(acc_ptr + (part * BLOCK_R + r)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])  # padding: unread
 
 
 @lazy_jit(do_not_specialize=["M", "SPLITS"])
 def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_om,
                         SPLITS, H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr,
-                        BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS_P2: tl.constexpr):
+                        BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()  # every split's partial is written past this point
     pid_bh = tl.program_id(0)
     pid_r = tl.program_id(1)  # = g * M + m over the valid rows
     g = pid_r // M
@@ -141,16 +148,17 @@ def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_
 
 # ----------------------------------------------------------------------------- launch
 
-# Launch configuration, set from the one tuning run on the H200 (bench/NOTES.md).
+# Launch configuration, set from the tuning runs on the H200 (bench/NOTES.md).
 CONFIG = dict(block_n=64, warps=4, stages=3, programs_per_sm=2, min_tiles_per_split=4)
+USE_PDL = True  # programmatic dependent launch of the reduce kernel (GPU only)
 
 
 def default_splits(L: int, heads: int, block_n: int, sms: int = 132) -> int:
-    """Splits of the key range (a power of 2): about CONFIG programs per SM for a long cache, and at least
-    CONFIG key tiles per split for a short one."""
-    want = triton.next_power_of_2(max(1, triton.cdiv(CONFIG["programs_per_sm"] * sms, heads)))
-    most = triton.next_power_of_2(max(1, L // (CONFIG["min_tiles_per_split"] * block_n)))
-    return max(1, min(want, most, 256))
+    """Splits of the key range: enough for CONFIG programs per SM in one wave (a second, partial wave of
+    short programs costs a pipeline fill and drain each), and at least CONFIG key tiles per split."""
+    want = max(1, CONFIG["programs_per_sm"] * sms // heads)
+    most = max(1, L // (CONFIG["min_tiles_per_split"] * block_n))
+    return min(want, most, 256)
 
 
 def launch_sdpa(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | None = None,
@@ -174,15 +182,17 @@ def launch_sdpa(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | 
     acc = torch.empty((B * Hkv * splits * block_r, D), dtype=torch.float32, device=q.device)
     out = torch.empty((B, M, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     vlen = valid_len if valid_len is not None else q_pos
+    pdl = USE_PDL and not triton.knobs.runtime.interpret
     _sdpa_split_kernel[(splits, B * Hkv)](
         q, k, v, q_pos, vlen, ml, acc, M, L, scale * LOG2E, window,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), splits,
         H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, BLOCK_N=block_n, D=D,
-        HAS_VLEN=valid_len is not None, HAS_WINDOW=window > 0, num_warps=warps, num_stages=stages)
+        HAS_VLEN=valid_len is not None, HAS_WINDOW=window > 0, PDL=pdl, num_warps=warps, num_stages=stages)
     _sdpa_reduce_kernel[(B * Hkv, G * M)](
         ml, acc, out, M, out.stride(0), out.stride(1), out.stride(2), splits,
-        H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, D=D, SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
+        H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, D=D, SPLITS_P2=triton.next_power_of_2(splits), PDL=pdl,
+        num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -57,6 +57,24 @@ def test_kernel_matches_reference_for_every_m(interpret, seed, group, config):
         assert not G.counters(torch.device("cpu")).any(), "split-K arrival counters must be reset"
 
 
+@pytest.mark.parametrize("group", [32, 128])
+def test_prep_writes_x_in_fragment_order_and_group_sums(interpret, seed, group):
+    """The prep kernel's contract with the GEMM: xp[:, g*G + c'] = x[:, g*G + src(c')] with position
+    c' = ((v*4 + s)*4 + t)*2 + half taking k = 8(Q t + v) + s + 4 half (Q = G/32), and xs = per-group sums
+    of x in float32 with rows M..15 zero (the GEMM reads all 16 rows unmasked)."""
+    M, K = 5, 2 * group
+    x = torch.randn(M, K).to(torch.bfloat16)
+    xp = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
+    xs = torch.full((G.BLOCK_M, K // group), float("nan"))
+    G._int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=G.BLOCK_M, PDL=False)
+    Q, c = group // 32, torch.arange(group)
+    half, t, s, v = c % 2, (c // 2) % 4, (c // 8) % 4, c // 32
+    src = torch.cat([g * group + 8 * (Q * t + v) + s + 4 * half for g in range(K // group)])
+    assert torch.equal(xp, x[:, src])
+    sums = x.float().reshape(M, K // group, group).sum(-1)
+    assert torch.allclose(xs[:M], sums, rtol=1e-5, atol=1e-5) and not xs[M:].any()
+
+
 def test_op_matches_plain_reference(interpret, seed):
     packed, scale, zero = G.quantize_int4(torch.randn(64, 128), 32)
     x = torch.randn(3, 128).to(torch.bfloat16)
@@ -91,7 +109,7 @@ def test_gpu_kernel_matches_reference(seed, group):
     packed, scale, zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K), group))
     for M in range(1, 17):
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        for config in (None, (64, 128, 4, 4, 3), (128, 256, 1, 8, 3)):
+        for config in (None, (64, 128, 4, 4, 3), (64, 256, 2, 4, 3, 96), (128, 256, 1, 8, 3)):
             out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
             G.launch_int4_mm(x, packed, scale, zero, group, config, out=out)
             assert not out.isnan().any(), f"unwritten outputs M={M} {config} seed {seed}"

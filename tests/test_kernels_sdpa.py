@@ -48,6 +48,17 @@ def test_valid_length_window_and_empty_splits(interpret, seed):
     assert check(q, k, v, q_pos, splits=7, block_n=16), f"seed {seed}"  # a split count that is not a power of 2
 
 
+@pytest.mark.parametrize("L,heads", [(4096, 8), (32768, 8), (131072, 8), (32768, 2), (600, 8)])
+def test_default_splits_fill_at_most_one_wave_of_long_enough_splits(L, heads):
+    sms, block_n = 132, S.CONFIG["block_n"]
+    slots = S.CONFIG["programs_per_sm"] * sms
+    splits = S.default_splits(L, heads, block_n, sms)
+    assert 1 <= splits and splits * heads <= slots
+    assert splits == 1 or L // splits >= S.CONFIG["min_tiles_per_split"] * block_n
+    if L // (S.CONFIG["min_tiles_per_split"] * block_n) >= slots // heads:  # keys enough: the wave is full
+        assert splits * heads > slots - heads
+
+
 def test_op_traces_into_an_exported_graph(interpret):
     k, v = (torch.randn(1, 2, 64, 16).to(torch.bfloat16) for _ in range(2))
 
