@@ -45,6 +45,32 @@ def tiny_pte(tmp_path_factory):
     return types.SimpleNamespace(path=path, speculator=_tiny_speculator, report=report, **args)
 
 
+def _text_target(root, code: str, chunk: int, overlap: int, vocab_size: int):
+    """Under `root`: a text corpus of six overlapping slices of `code` (code[i*chunk : (i+1)*chunk + overlap])
+    and a tiny 3-layer target artifact with a BPE tokenizer trained on its train split.
+    -> (target module, target Artifact, data config dict)."""
+    from models import save_target, tiny_target
+    from pipeline import data
+    from pipeline.store import Artifact
+
+    (root / "corpus").mkdir()
+    for i in range(6):
+        (root / "corpus" / f"m{i}.py").write_text(code[i * chunk : (i + 1) * chunk + overlap])
+    data_cfg = {"kind": "text", "paths": [str(root / "corpus" / "*.py")], "held_out_fraction": 0.3}
+    docs = data.documents(data_cfg)
+    target = tiny_target(seed=0, n_layers=3, vocab_size=vocab_size, max_seq_len=64)
+    tdir = root / "target"
+    save_target(target, tdir)
+    data.train_tokenizer(data.split(docs, "train"), vocab_size=vocab_size).save(str(tdir / "tokenizer.json"))
+    return target, Artifact(stage="target", key="t" * 64, path=tdir, manifest={}), data_cfg
+
+
+@pytest.fixture(scope="session")
+def text_target():
+    """`_text_target`, for the stage tests' module fixtures (taps, draft)."""
+    return _text_target
+
+
 @pytest.fixture
 def interpret(monkeypatch):
     """Triton kernels on the CPU: `kernels` decides compile-or-interpret at launch (kernels/_jit.py), so

@@ -4,11 +4,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models import load_speculators, save_speculators, save_target, tiny_draft, tiny_target
-from pipeline import data, tracking
+from models import load_speculators, save_speculators, tiny_draft, tiny_target
+from pipeline import tracking
 from pipeline.stages import draft as draft_stage
 from pipeline.stages import taps
-from pipeline.store import Artifact, Store
+from pipeline.store import Store
 
 CODE = "".join(f"class C{i}:\n    def get(self, x):\n        return self.v{i % 5} + x\n\n" for i in range(200))
 V = 300
@@ -21,18 +21,9 @@ def build(store, stage, fn, upstream):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, text_target):
     root = tmp_path_factory.mktemp("draft_stage")
-    (root / "corpus").mkdir()
-    for i in range(6):
-        (root / "corpus" / f"m{i}.py").write_text(CODE[i * 1500 : (i + 1) * 1500 + 2500])
-    data_cfg = {"kind": "text", "paths": [str(root / "corpus" / "*.py")], "held_out_fraction": 0.3}
-    docs = data.documents(data_cfg)
-    target = tiny_target(seed=0, n_layers=3, vocab_size=V, max_seq_len=64)
-    tdir = root / "target"
-    save_target(target, tdir)
-    data.train_tokenizer(data.split(docs, "train"), vocab_size=V).save(str(tdir / "tokenizer.json"))
-    target_art = Artifact(stage="target", key="t" * 64, path=tdir, manifest={})
+    target, target_art, data_cfg = text_target(root, CODE, chunk=1500, overlap=2500, vocab_size=V)
     cfg = OmegaConf.create({
         "device": "cpu", "seed": 0, "data": data_cfg,
         "taps": dict(source="generate", seq_len=32, prompt_len=8, mask_prompt=True, train_sequences=12,

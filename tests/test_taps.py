@@ -7,10 +7,9 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from models import save_target, tiny_target
-from pipeline import data
+from models import tiny_target
 from pipeline.stages import taps
-from pipeline.store import Artifact, Store
+from pipeline.store import Store
 
 CODE = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(300))
 
@@ -40,18 +39,9 @@ def test_generation_mask_counts_the_continuation_until_eos():
 
 
 @pytest.fixture(scope="module")
-def target_artifact(tmp_path_factory):
-    root = tmp_path_factory.mktemp("taps")
-    (root / "corpus").mkdir()
-    for i in range(6):
-        (root / "corpus" / f"m{i}.py").write_text(CODE[i * 2000 : (i + 1) * 2000 + 3000])
-    cfg = OmegaConf.create({"kind": "text", "paths": [str(root / "corpus" / "*.py")], "held_out_fraction": 0.3})
-    docs = data.documents(OmegaConf.to_container(cfg))
-    tok = data.train_tokenizer(data.split(docs, "train"), vocab_size=300)
-    tdir = root / "target"
-    save_target(tiny_target(seed=0, n_layers=3, vocab_size=300, max_seq_len=64), tdir)
-    tok.save(str(tdir / "tokenizer.json"))
-    return Artifact(stage="target", key="t" * 64, path=tdir, manifest={}), cfg
+def target_artifact(tmp_path_factory, text_target):
+    _, art, data_cfg = text_target(tmp_path_factory.mktemp("taps"), CODE, chunk=2000, overlap=3000, vocab_size=300)
+    return art, OmegaConf.create(data_cfg)
 
 
 def stage_cfg(data_cfg, **taps_overrides):
