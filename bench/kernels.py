@@ -15,8 +15,9 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
 - sdpa: L in {4096, 32768, 131072}, M = 1..8, Hq 32 / Hkv 8 / D 128: ours, torch SDPA with the same bool
   mask (enable_gqa), the floor = K+V bytes / copy bandwidth;
 - model: Llama-3-8B shapes with random weights, CUDA-graph replays of the cached forward at 4096 and 32768
-  positions, T in {1, 2, 4, 8}: ours (kernels.transform, separate and fused q|k|v, gate|up linears) and the
-  same two models on torch int4 + torch SDPA;
+  positions, T in {1, 2, 4, 8}: ours (kernels.transform, separate and fused q|k|v, gate|up linears, with
+  the RMSNorm/RoPE kernels) and the same two models on torch int4 + torch SDPA; and, without the
+  RMSNorm/RoPE kernels (the model's own torch code), the fused model and both torch peers;
 - profile: where the forward's kernel time goes at T = 1 against T = 2 (ctx 4096).
 Timing: each measurement captures a CUDA graph of many calls that rotate over enough input copies to
 exceed the 60 MB L2 several times, replays it repeatedly, and reports the median per-call time.
@@ -167,6 +168,7 @@ def section_check():
         RESULTS["ptx_failed"] = traceback.format_exc()[-1500:]
         check_int4()
     check_sdpa()
+    check_norm_rope()
     try:
         check_graph_replay()
     except Exception:
@@ -261,6 +263,35 @@ def check_sdpa():
     assert worst < 1e-2, f"sdpa: rel err {worst}"
     out["sdpa_worst_rel_err"] = worst
     log(f"check sdpa: worst rel err {worst:.2e}")
+    save()
+
+
+def check_norm_rope():
+    """RoPE bit-exact and RMSNorm within one bf16 ulp of the model's own code, at Llama-3-8B sizes."""
+    from kernels.norm_rope import rms_norm, rope
+    from models.layers import RMSNorm, Rope, apply_rope
+
+    out = RESULTS["check"]
+    table = Rope(128, 40000, 500000.0, 1.0, dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                  high_freq_factor=4.0, original_max_position_embeddings=8192))
+    table = table.cuda()
+    norm = RMSNorm(4096, 1e-5).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(4096, device="cuda") + 0.5)
+    norm = norm.to(torch.bfloat16)
+    rope_diff, norm_ulps = 0, 0
+    for T in range(1, 9):
+        cos, sin = table.tables(torch.arange(33000, 33000 + T, device="cuda"))
+        row = (torch.randn(1, T, 6144, device="cuda") * 4).to(torch.bfloat16)  # a fused q|k|v row
+        for x, H in ((row[..., :4096], 32), (row[..., 4096:5120], 8)):
+            ref = apply_rope(x.reshape(1, T, H, 128).transpose(1, 2), cos, sin)
+            rope_diff += (rope(x, cos, sin, H) != ref).sum().item()
+        h = (torch.randn(1, T, 4096, device="cuda") * 3).to(torch.bfloat16)
+        a, b = rms_norm(h, norm.weight, norm.eps), norm(h)
+        norm_ulps = max(norm_ulps, (a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max().item())
+    assert rope_diff == 0 and norm_ulps <= 1, f"rope: {rope_diff} values differ; rms_norm: {norm_ulps} ulps"
+    out.update(rope_values_differing=rope_diff, rms_norm_max_ulps=norm_ulps)
+    log(f"check norm/rope: rope bit-exact, rms_norm within {norm_ulps} ulp")
     save()
 
 
@@ -469,20 +500,34 @@ class TinyGemmLinear(torch.nn.Module):
 
 
 def torch_peer(model):
-    """Same quantised weights on torch's int4 GEMM; attention through torch SDPA with the model's mask."""
+    """Same quantised weights on torch's int4 GEMM; attention through torch SDPA with the model's mask.
+    Everything else stays as `model` has it (with or without the RMSNorm/RoPE kernels)."""
     from kernels.transform import Int4Linear
     from models.layers import Attention
 
-    class TorchSdpaAttention(Attention):
-        def attend(self, q, k, v, mask):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+    def attend(self, q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
 
     for module in list(model.modules()):
         if isinstance(module, Attention):
-            module.__class__ = TorchSdpaAttention
+            cls = type(module)
+            module.__class__ = type(f"TorchSdpa{cls.__name__}", (cls,), {"attend": attend})
         for name, child in list(module.named_children()):
             if isinstance(child, Int4Linear):
                 setattr(module, name, TinyGemmLinear(child))
+    return model
+
+
+def without_norm_rope(model):
+    """The model's own RMSNorm and RoPE code back in place of kernels.norm_rope (same weights)."""
+    from kernels.transform import KernelRMSNorm
+    from models.layers import Attention, RMSNorm
+
+    for module in model.modules():
+        if isinstance(module, KernelRMSNorm):
+            module.__class__ = RMSNorm
+        if isinstance(module, Attention):
+            module.kernel_rope = False
     return model
 
 
@@ -577,7 +622,11 @@ def section_model():
         f"{torch.cuda.memory_allocated() / 1e9:.1f} GB allocated")
     peer = torch_peer(copy.deepcopy(model))
     peer_fused = torch_peer(copy.deepcopy(fused))  # the same fused q|k|v and gate|up weights on torch's kernels
-    variants = (("ours", model), ("fused", fused), ("torch", peer), ("torch_fused", peer_fused))
+    # the same weights with the model's own RMSNorm/RoPE code instead of kernels.norm_rope
+    fused_plain = without_norm_rope(copy.deepcopy(fused))
+    variants = (("ours", model), ("fused", fused), ("torch", peer), ("torch_fused", peer_fused),
+                ("fused_plain", fused_plain), ("torch_plain", without_norm_rope(copy.deepcopy(peer))),
+                ("torch_fused_plain", torch_peer(copy.deepcopy(fused_plain))))
     weight_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
                        if n.endswith(("packed", "scale", "zero")))
     out = dict(weight_bytes=weight_bytes, rows=[])
@@ -609,7 +658,7 @@ def section_model():
             RESULTS["model"] = out
             save()
     with torch.no_grad():  # the two paths agree on the same weights (same cache contents after this copy)
-        for other in (peer, fused):
+        for other in (peer, fused, fused_plain):
             for la, lb in zip(model.layers, other.layers):
                 lb.self_attn.k_cache.copy_(la.self_attn.k_cache)
                 lb.self_attn.v_cache.copy_(la.self_attn.v_cache)
@@ -619,6 +668,7 @@ def section_model():
         out["logits_rel_err_vs_torch"] = rel_err(a, b)
         out["argmax_agree"] = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
         out["fused_vs_separate_rel_err"] = rel_err(c, a)
+        out["norm_rope_vs_plain_rel_err"] = rel_err(c, fused_plain(tok, pos).float())
     RESULTS["model"] = out
     save()
 
@@ -643,10 +693,10 @@ def print_tables():
     if "model" in RESULTS:
         log("\nModel (Llama-3-8B shapes, CUDA-graph forward, us)")
         for r in RESULTS["model"]["rows"]:
-            log(f"ctx {r['ctx']:>6} T={r['T']}: ours {r.get('ours_us', float('nan')):8.1f}  "
-                f"ours-fused {r.get('fused_us', float('nan')):8.1f}  "
-                f"torch {r.get('torch_us', float('nan')):8.1f}  "
-                f"torch-fused {r.get('torch_fused_us', float('nan')):8.1f}  floor {r['floor_us']:7.1f}")
+            cols = "  ".join(f"{n} {r.get(n + '_us', float('nan')):7.0f}" for n in
+                             ("ours", "fused", "torch", "torch_fused", "fused_plain", "torch_plain",
+                              "torch_fused_plain"))
+            log(f"ctx {r['ctx']:>6} T={r['T']}: {cols}  floor {r['floor_us']:6.0f}")
 
 
 def main():

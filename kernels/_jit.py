@@ -12,6 +12,8 @@ Interpreter shims (CPU tests only; they change nothing when kernels are compiled
   numpy >= 2.4 refuses for 1-d arrays, so `range()` over any run-time value fails: read the one element;
 - it stores bfloat16 as uint16 bit patterns and `tl.dot` multiplies those patterns as integers: widen
   bfloat16 operands to float32 (exact) before the product;
+- it converts float32 to bfloat16 by truncation, where the GPU's `.to(tl.bfloat16)` rounds to nearest
+  even: round to nearest even, so kernels that repeat torch's bf16 roundings can be checked bit for bit;
 - triton's own standard library (`tl.zeros`, `tl.sum`, `tl.cdiv`, ...) is `@jit`-decorated when triton is
   imported, so it is compiled-mode when the variable was set later; for the duration of each interpreted
   launch (the interpreter's own patch scope, restored afterwards) those functions are swapped for
@@ -46,6 +48,16 @@ def _fix_interpreter() -> None:
     def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def patched_cast(self, src, dst_type):
+        if not (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16):
+            return cast_impl(self, src, dst_type)
+        bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+        rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
+        return interpreter.TensorHandle(rounded, tl.bfloat16)
+
     from triton.runtime.jit import JITFunction
 
     interpreted = {}
@@ -64,6 +76,7 @@ def _fix_interpreter() -> None:
     interpreter._patch_lang_tensor = patched_tensor
     interpreter._patch_lang = patched_lang
     interpreter.InterpreterBuilder.create_dot = patched_dot
+    interpreter.InterpreterBuilder.cast_impl = patched_cast
     interpreter._eagle3_fixed = True
 
 

@@ -7,9 +7,11 @@ cached attention with T <= max_m.
   with fuse=True the linears that read one input (q/k/v, gate/up) share one GEMM (fewer, larger launches);
 - every `models.layers.Attention` gets a subclass whose `forward` records `input_pos` for the duration of
   the call and whose `attend` runs `dispatch.attention` (sdpa_midm for T <= max_m, torch SDPA above) on
-  the cached path; the stateless path (input_pos None) keeps the model's own attention.
-The model's own code (projection, cache writes, masks) is untouched: only the math behind `attend` and the
-linears changes. Move the model to CUDA in bfloat16 before or after; the kernels need bf16 activations.
+  the cached path; the stateless path (input_pos None) keeps the model's own attention;
+- with norm_rope=True (the default) every `RMSNorm` and the attention's RoPE of q and k run as one launch
+  each (kernels.norm_rope: the same values, 4 launches where the model's code makes 28 per layer).
+The model's own code (cache writes, masks, the layer loop) is untouched: only the math behind `attend`,
+the linears, the norms and RoPE changes. Move the model to CUDA in bfloat16 before or after; the kernels need bf16 activations.
 Run one eager forward before capturing a CUDA graph: it compiles the kernels and allocates the split-K
 arrival counters (kernels.int4_gemm.counters) outside the capture.
 Out of scope: embeddings stay bf16; batch > 1 on the cached path (the model refuses it anyway).
@@ -22,7 +24,8 @@ from torch import nn
 
 from kernels import dispatch
 from kernels.int4_gemm import quantize_int4
-from models.layers import Attention
+from kernels.norm_rope import rms_norm, rope
+from models.layers import Attention, RMSNorm
 
 
 class Int4Linear(nn.Module):
@@ -99,8 +102,25 @@ def _fuse_shared_inputs(module: nn.Module, group: int, max_m: int) -> None:
                 setattr(module, n, _Member(shared, i))
 
 
+class KernelRMSNorm(RMSNorm):
+    """RMSNorm as one launch (bf16 input and weight; other dtypes keep the model's code)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16:
+            return super().forward(x)
+        return rms_norm(x, self.weight, self.eps)
+
+
 class _KernelAttention:
-    """Mixin over an Attention class; `kernel_window` (0 = none) and `max_m` are set by `to_kernels`."""
+    """Mixin over an Attention class; `kernel_window` (0 = none), `max_m` and `kernel_rope` are set by
+    `to_kernels`."""
+
+    def project(self, x, cos, sin):
+        if not self.kernel_rope or self.q_norm is not None or x.dtype != torch.bfloat16:
+            return super().project(x, cos, sin)  # (QK-norm sits between projection and RoPE)
+        B, T, _ = x.shape
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return rope(self.q_proj(x), cos, sin, self.n_heads), rope(self.k_proj(x), cos, sin, self.n_kv_heads), v
 
     def forward(self, x, cos, sin, mask, input_pos=None):
         self._q_pos = input_pos
@@ -125,9 +145,11 @@ def _kernel_class(cls: type) -> type:
     return _KERNEL_CLASSES[cls]
 
 
-def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = False) -> nn.Module:
+def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = False,
+               norm_rope: bool = True) -> nn.Module:
     """In place: linears -> Int4Linear, attention -> sdpa_midm for T <= max_m. Returns the model.
-    fuse=True: q/k/v and gate/up each become one GEMM over concatenated weights (SharedInputInt4)."""
+    fuse=True: q/k/v and gate/up each become one GEMM over concatenated weights (SharedInputInt4).
+    norm_rope=True: RMSNorm and RoPE as one launch each (kernels.norm_rope)."""
     dispatch.check_max_m(max_m)
     windows = {}
     cfg = getattr(model, "cfg", None)
@@ -142,6 +164,9 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
             module.__class__ = _kernel_class(type(module))
             module.max_m = max_m
             module.kernel_window = windows.get(id(module), 0)
+            module.kernel_rope = norm_rope
+        if norm_rope and type(module) is RMSNorm:
+            module.__class__ = KernelRMSNorm
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, Int4Linear(child, group, max_m))

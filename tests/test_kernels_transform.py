@@ -1,5 +1,6 @@
-"""The model transform: a models/ Transformer on the INT4 GEMM and split-K SDPA agrees with the same model
-carrying the dequantised weights, on both sides of the dispatch threshold; it exports with a dynamic T.
+"""The model transform: a models/ Transformer on the INT4 GEMM, split-K SDPA and the RMSNorm/RoPE kernels
+agrees with the same model carrying the dequantised weights, on both sides of the dispatch threshold; it
+exports with a dynamic T.
 CPU runs use Triton's interpreter (see kernels/_jit.py)."""
 
 import copy
@@ -88,3 +89,5 @@ def test_exports_with_dynamic_t(interpret, models):
     fused = any(name.endswith("_fused") for name, _ in kern.named_modules())
     assert sum("int4_mm" in t for t in targets) == 2 * (4 if fused else 7) + 1  # per layer: qkv, o, gate|up, down
     assert sum("sdpa_midm" in t for t in targets) == 2
+    assert sum("rms_norm" in t for t in targets) == 2 * 2 + 1  # per layer: input, post-attention; final
+    assert sum("eagle3.rope" in t for t in targets) == 2 * 2  # per layer: q, k

@@ -1,0 +1,109 @@
+"""RMSNorm and RoPE in one launch each, equal to the model's own math (models/layers.py) bit for bit.
+
+Why: a cached Llama-class forward at T <= max_m is ~3000 kernel launches (Llama-3-8B shapes), and at these
+sizes an elementwise kernel costs its launch and drain, not its bytes. The model's RMSNorm is 7 torch
+kernels (float, pow, mean, add, rsqrt, mul, cast + the weight product) and RoPE on q and k 14 (two table
+casts, two products, neg, cat and an add per tensor): 28 of the ~93 launches per layer, all replaced here
+by 4. Measured on the H200: bench/NOTES.md.
+
+Equality: every rounding torch does in bf16 is repeated. RoPE rounds cos/sin to x's dtype, then x * cos and
+rotate_half(x) * sin each to bf16, then their sum; RMSNorm rounds the normalised row to x's dtype before
+the weight product. What may differ is RMSNorm's fp32 sum of squares (summation order) and rsqrt's last
+bit, so a normalised value can land one bf16 ulp away (tests bound it); RoPE is exact.
+
+  rms_norm(x [..., D], weight [D], eps) -> [..., D]       (x and weight bf16)
+  rope(x [B, T, H*hd], cos, sin [T, rot], n_heads) -> [B, H, T, hd] contiguous, i.e. the model's
+      `apply_rope(x.view(B, T, H, hd).transpose(1, 2), cos, sin)` (channels >= rot pass through);
+      x may be a column slice of a wider row (the fused q|k|v output): only its last dim must be contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._jit import lazy_jit
+
+ROPE_HEADS = 8  # heads per RoPE program
+
+
+@lazy_jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, inv_d, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    ok = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) * inv_d + eps)  # torch: mean = sum * (1 / D)
+    normed = (x * inv_rms).to(y_ptr.dtype.element_ty).to(tl.float32)  # the model casts back, then scales
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@lazy_jit(do_not_specialize=["T"])
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, stride_xb, stride_xt, stride_c, stride_s,
+                 HD: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr):
+    bt = tl.program_id(0)
+    b, t = bt // T, bt % T
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, HD)
+    h_ok = heads[:, None] < H
+    rot = cols < ROT
+    first_half = cols < ROT // 2
+    row = x_ptr + b * stride_xb + t * stride_xt + heads[:, None] * HD
+    x = tl.load(row + cols[None, :], mask=h_ok, other=0.0)
+    dt = x.dtype
+    # rotate_half: column c < ROT/2 pairs with -x[c + ROT/2], column c in [ROT/2, ROT) with x[c - ROT/2]
+    partner = tl.where(first_half, cols + ROT // 2, cols - ROT // 2)
+    p = tl.load(row + partner[None, :], mask=h_ok & rot[None, :], other=0.0).to(tl.float32)
+    p = tl.where(first_half[None, :], -p, p)
+    c = tl.load(cos_ptr + t * stride_c + cols, mask=rot, other=1.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_s + cols, mask=rot, other=0.0).to(dt).to(tl.float32)
+    xf = x.to(tl.float32)
+    rotated = ((xf * c[None, :]).to(dt).to(tl.float32) + (p * s[None, :]).to(dt).to(tl.float32)).to(dt)
+    y = tl.where(rot[None, :], rotated, x)
+    out = y_ptr + ((b * H + heads[:, None]) * T + t) * HD + cols[None, :]  # [B, H, T, HD] contiguous
+    tl.store(out, y, mask=h_ok)
+
+
+@torch.library.triton_op("eagle3::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's RMSNorm of x [..., D] (bf16) with weight [D] (bf16), one launch."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty((x2.shape[0], D), dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(D)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), D, 1.0 / D, eps, BLOCK_D=block,
+                                     num_warps=min(16, max(1, block // 256)))
+    return y.reshape(x.shape)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.triton_op("eagle3::rope", mutates_args=())
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The model's RoPE of x [B, T, n_heads * hd] (last dim contiguous) -> [B, n_heads, T, hd] contiguous."""
+    B, T, width = x.shape
+    hd = width // n_heads
+    rot = cos.shape[-1]
+    if width != n_heads * hd or x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError(f"rope: x {tuple(x.shape)} must be [B, T, {n_heads} * head_dim] with contiguous "
+                         f"rows of heads, and cos/sin contiguous in their last dim")
+    if hd & (hd - 1) or rot % 2 or rot > hd:
+        raise ValueError(f"rope: head_dim {hd} must be a power of 2 and rot_dim {rot} even and <= head_dim")
+    y = torch.empty((B, n_heads, T, hd), dtype=x.dtype, device=x.device)
+    _rope_kernel[(B * T, triton.cdiv(n_heads, ROPE_HEADS))](
+        x, cos, sin, y, T, n_heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+        HD=hd, ROT=rot, BLOCK_H=ROPE_HEADS, num_warps=4)
+    return y
+
+
+@rope.register_fake
+def _(x, cos, sin, n_heads):
+    B, T, width = x.shape
+    return x.new_empty((B, n_heads, T, width // n_heads))
