@@ -616,7 +616,7 @@ def section_model():
     model = llama3_8b(max_seq_len=max(contexts) + 256)
     cfg = model.cfg
     fused = to_kernels(copy.deepcopy(model), max_m=8, group=128, fuse=True)
-    to_kernels(model, max_m=8, group=128)
+    to_kernels(model, max_m=8, group=128, fuse=False)
     torch.cuda.empty_cache()
     log(f"model: built and quantised in {time.time() - t0:.0f} s; "
         f"{torch.cuda.memory_allocated() / 1e9:.1f} GB allocated")

@@ -4,14 +4,15 @@ cached attention with T <= max_m.
 `to_kernels(model, max_m, group)` works in place and returns the model:
 - every `nn.Linear` becomes an `Int4Linear` (packed weights + per-group scale/zero buffers, bias kept);
   its forward is `dispatch.int4_linear`, i.e. the kernel for <= max_m rows, dequantise + dense above;
-  with fuse=True the linears that read one input (q/k/v, gate/up) share one GEMM (fewer, larger launches);
+  with fuse=True (the default) the linears that read one input (q/k/v, gate/up) share one GEMM;
 - every `models.layers.Attention` gets a subclass whose `forward` records `input_pos` for the duration of
   the call and whose `attend` runs `dispatch.attention` (sdpa_midm for T <= max_m, torch SDPA above) on
   the cached path; the stateless path (input_pos None) keeps the model's own attention;
 - with norm_rope=True (the default) every `RMSNorm` and the attention's RoPE of q and k run as one launch
   each (kernels.norm_rope: the same values, 4 launches where the model's code makes 28 per layer).
 The model's own code (cache writes, masks, the layer loop) is untouched: only the math behind `attend`,
-the linears, the norms and RoPE changes. Move the model to CUDA in bfloat16 before or after; the kernels need bf16 activations.
+the linears, the norms and RoPE changes. Move the model to CUDA in bfloat16 before or after; the kernels
+need bf16 activations.
 Run one eager forward before capturing a CUDA graph: it compiles the kernels and allocates the split-K
 arrival counters (kernels.int4_gemm.counters) outside the capture.
 Out of scope: embeddings stay bf16; batch > 1 on the cached path (the model refuses it anyway).
@@ -145,10 +146,11 @@ def _kernel_class(cls: type) -> type:
     return _KERNEL_CLASSES[cls]
 
 
-def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = False,
+def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = True,
                norm_rope: bool = True) -> nn.Module:
     """In place: linears -> Int4Linear, attention -> sdpa_midm for T <= max_m. Returns the model.
-    fuse=True: q/k/v and gate/up each become one GEMM over concatenated weights (SharedInputInt4).
+    fuse=True: q/k/v and gate/up each become one GEMM over concatenated weights (SharedInputInt4), as
+    vLLM's QKV and gate|up layers do (fewer, larger launches: faster at T <= max_m, bench/NOTES.md).
     norm_rope=True: RMSNorm and RoPE as one launch each (kernels.norm_rope)."""
     dispatch.check_max_m(max_m)
     windows = {}
