@@ -18,8 +18,7 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
   positions, T in {1, 2, 4, 8}: ours (kernels.transform, separate and fused q|k|v, gate|up linears, with
   the RMSNorm/RoPE kernels) and the same two models on torch int4 + torch SDPA; and, without the
   RMSNorm/RoPE kernels (the model's own torch code), the fused model and both torch peers;
-- profile: where the forward's kernel time goes at T = 1 against T = 2 (ctx 4096);
-- mma: each GEMM shape's shipped (wgmma) config against the best of a few mma.sync configs, M = 1 and 8.
+- profile: where the forward's kernel time goes at T = 1 against T = 2 (ctx 4096).
 Timing: each measurement captures a CUDA graph of many calls that rotate over enough input copies to
 exceed the 60 MB L2 several times, replays it repeatedly, and reports the median per-call time.
 """
@@ -426,53 +425,6 @@ def section_gemm():
         save()
 
 
-# mma.sync candidates (BLOCK_N, BLOCK_K, warps, stages): tiles under 64 rows or fewer than 4 warps, so Triton
-# lowers the product to mma.sync (kernels.int4_gemm.uses_wgmma) and the weights use its fragment order
-MMA_SYNC_CANDIDATES = [(32, 256, 2, 3), (32, 256, 2, 4), (32, 128, 2, 4), (32, 512, 2, 3)]
-
-
-def section_mma():
-    """The shipped (wgmma) config of each GEMM shape against the best mma.sync config, side by side."""
-    bw = RESULTS["env"]["copy_bw"]
-    packed, scale, zero = G.quantize_int4(torch.randn(3000, 4096, device="cuda"), 128)
-    x = torch.randn(8, 4096, device="cuda").to(torch.bfloat16)
-    err = rel_err(G.launch_int4_mm(x, packed, scale, zero, 128, MMA_SYNC_CANDIDATES[0][:2] + (2,) +
-                                   MMA_SYNC_CANDIDATES[0][2:]),
-                  x.double() @ G.dequantize_int4(packed, scale, zero, 128, torch.float64).t())
-    assert err < 1e-2, f"mma.sync path: rel err {err}"
-    rows = [dict(check_rel_err=err)]
-    for K, N in GEMM_SHAPES + MODEL_SHAPES[:1]:
-        copies = copies_for(N * K / 2)
-        ops = gemm_operands(K, N, 128, copies)
-        xs = {M: [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)] for M in (1, 8)}
-        timed = lambda cfg: [time_calls([lambda i=i, M=M: G.launch_int4_mm(xs[M][i], *ops[i], 128, cfg)
-                                         for i in range(copies)], reps=10) for M in (1, 8)]
-        shipped = G.pick_config(N, K, 128)
-        row = dict(K=K, N=N, shipped=shipped, shipped_us=timed(shipped), floor_us=gemm_floor_bytes(8, K, N, 128) / bw * 1e6,
-                   mma_sync=[])
-        for bn, bk, warps, stages in MMA_SYNC_CANDIDATES:
-            for split in (1, 2, 4, 8):
-                tiles = math.ceil(N / bn)
-                if K % (split * bk) or K // split < 512 or (split > 1 and tiles * split > 16 * 132):
-                    continue
-                cfg = (bn, bk, split, warps, stages)
-                try:
-                    row["mma_sync"].append((cfg, timed(cfg)))
-                except Exception as e:
-                    row["mma_sync"].append((cfg, str(e)[:120]))
-        ok = [r for r in row["mma_sync"] if isinstance(r[1], list)]
-        best = min(ok, key=lambda r: max(r[1])) if ok else None
-        row["best_mma_sync"] = best
-        log(f"mma {K}x{N}: shipped {shipped} M=1/8 {row['shipped_us'][0]:.1f}/{row['shipped_us'][1]:.1f} us; "
-            f"best mma.sync {best[0] if best else None} "
-            f"{'%.1f/%.1f' % tuple(best[1]) if best else '-'} us; floor {row['floor_us']:.1f}")
-        rows.append(row)
-        RESULTS["mma"] = rows
-        save()
-        del ops, xs
-        torch.cuda.empty_cache()
-
-
 # ----------------------------------------------------------------------------- sdpa
 
 SDPA_HEADS = (32, 8, 128)  # Hq, Hkv, D
@@ -768,8 +720,8 @@ def main():
     save()
     sections = args.only.split(",")
     plan = [("check", section_check)] * ("check" in sections) + [("tune", section_tune)] * args.tune + \
-        [(n, f) for n, f in (("gemm", section_gemm), ("mma", section_mma), ("sdpa", section_sdpa),
-                              ("model", section_model), ("profile", section_profile))
+        [(n, f) for n, f in (("gemm", section_gemm), ("sdpa", section_sdpa), ("model", section_model),
+                              ("profile", section_profile))
          if n in sections]
     for name, fn in plan:
         t0 = time.time()

@@ -80,15 +80,9 @@ def int4_mm_reference(x: torch.Tensor, packed, scale, zero, group: int) -> torch
 
 # ----------------------------------------------------------------------------- kernel
 
-def uses_wgmma(block_n: int, warps: int) -> bool:
-    """Whether Triton 3.6 lowers the GEMM's product to wgmma on sm_90 (else mma.sync): whole warpgroups over
-    64-row tiles. It decides the register fragment the unpacked weights must land in (FRAG_WGMMA)."""
-    return warps % 4 == 0 and block_n % 64 == 0
-
-
 @lazy_jit(do_not_specialize=["M"])
 def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      FRAG_WGMMA: tl.constexpr, PDL: tl.constexpr):
+                      PDL: tl.constexpr):
     """One program per group of k: xp[:, group] = x[:, group] in the fragment order, xs[:, g] = its sum."""
     if PDL:
         gdc_launch_dependents()  # the GEMM's programs may be scheduled now; they wait for this grid's writes
@@ -98,14 +92,9 @@ def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexp
     cols = tl.arange(0, GROUP)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + g * GROUP + cols[None, :], mask=m_ok[:, None], other=0.0)
     tl.store(xs_ptr + offs_m * (K // GROUP) + g, tl.sum(x.to(tl.float32), axis=1))  # rows >= M: zeros
-    # The k order of _int4_mm_kernel's weight fragments: k = 8 (Q t + v) + s + 4 half (word Q t + v, shift
-    # s = 2 s1 + s0, half 0 or 1 of the bf16 pair; Q = GROUP / 32) goes to position 2 p + half, with pair
-    # p = (v * 4 + s) * 4 + t for wgmma and ((v * 2 + s1) * 4 + t) * 2 + s0 for mma.sync.
-    if FRAG_WGMMA:
-        x = tl.permute(tl.reshape(x, (BLOCK_M, 4, GROUP // 32, 2, 4)), (0, 2, 4, 1, 3))
-    else:
-        x = tl.permute(tl.reshape(x, (BLOCK_M, 4, GROUP // 32, 2, 2, 2)), (0, 2, 4, 1, 5, 3))
-    x = tl.reshape(x, (BLOCK_M, GROUP))
+    # The k order of _int4_mm_kernel's weight fragments: k = 8 (Q t + v) + s + 4 half (word Q t + v, shift s,
+    # half 0 or 1 of the bf16 pair; Q = GROUP / 32) goes to position ((v * 4 + s) * 4 + t) * 2 + half.
+    x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, 4, GROUP // 32, 2, 4)), (0, 2, 4, 1, 3)), (BLOCK_M, GROUP))
     tl.store(xp_ptr + offs_m[:, None] * K + g * GROUP + cols[None, :], x, mask=m_ok[:, None])
 
 
@@ -113,8 +102,7 @@ def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexp
 def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                     M, N, K, stride_ym,
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, FRAG_WGMMA: tl.constexpr, PTX: tl.constexpr,
-                    PDL: tl.constexpr):
+                    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()  # the prep kernel's xp and xs are complete past this point
     pid_n = tl.program_id(0)
@@ -160,16 +148,10 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
                 o3 = ((wd >> 12) & 0x000F000F) | 0x43004300
             o = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [BLOCK_N, GROUP/8 words, 4 shifts s]
             # The product sums over k, so k may be reordered on both operands. Word Q t + v (t < 4,
-            # v < Q) shift s = 2 s1 + s0 becomes fragment pair (v * 4 + s) * 4 + t for wgmma, where thread t
-            # of a quad holds pairs t + 4i of a row, and ((v * 2 + s1) * 4 + t) * 2 + s0 for mma.sync
-            # (Triton's kWidth = 4 operand), where it holds pairs 2t + j + 8i: either way a thread's pairs
-            # are its own Q contiguous words (one 16-byte load at Q = 4); the prep kernel stored x in the
-            # same order.
-            if FRAG_WGMMA:
-                o = tl.permute(tl.reshape(o, (BLOCK_N, 4, Q, 4)), (0, 2, 3, 1))
-            else:
-                o = tl.permute(tl.reshape(o, (BLOCK_N, 4, Q, 2, 2)), (0, 2, 3, 1, 4))
-            o = tl.reshape(o, (BLOCK_N, GROUP // 2))
+            # v < Q) shift s becomes fragment pair (v * 4 + s) * 4 + t: a thread holds pairs
+            # t + 4i of each row in the tensor-core fragment, so its 16 pairs are its own 4 contiguous words
+            # (one 16-byte load); the prep kernel stored x in the same order.
+            o = tl.reshape(tl.permute(tl.reshape(o, (BLOCK_N, 4, Q, 4)), (0, 2, 3, 1)), (BLOCK_N, GROUP // 2))
             w = tl.reshape(tl.join((o & 0xFFFF).to(tl.int16), (o >> 16).to(tl.int16)), (BLOCK_N, GROUP))
             w = w.to(tl.bfloat16, bitcast=True)
             part = tl.dot(w, tl.trans(x))  # = sum_k x (q - z) + (128 + z) X,  X = the group's sum of x
@@ -255,12 +237,11 @@ def launch_int4_mm(x, packed, scale, zero, group: int, config=None, out=None) ->
     cnt = counters(x.device) if split > 1 else y
     compiled = not triton.knobs.runtime.interpret
     pdl = USE_PDL and compiled
-    frag = uses_wgmma(block_n, warps)
-    _int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=BLOCK_M,
-                                     FRAG_WGMMA=frag, PDL=pdl, num_warps=4)
+    _int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=BLOCK_M, PDL=pdl,
+                                     num_warps=4)
     _int4_mm_kernel[grid](xp, xs, packed, scale, zero, y, ws, cnt, M, N, K, y.stride(0),
                           GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split,
-                          FRAG_WGMMA=frag, PTX=USE_PTX and compiled, PDL=pdl, num_warps=warps, num_stages=stages,
+                          PTX=USE_PTX and compiled, PDL=pdl, num_warps=warps, num_stages=stages,
                           **({"launch_pdl": True} if pdl else {}),
                           **({"maxnreg": max_regs[0]} if max_regs else {}))
     return y

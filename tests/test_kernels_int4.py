@@ -40,8 +40,8 @@ def test_quantisation_error_is_within_one_step(seed, group):
 
 
 @pytest.mark.parametrize("group,config", [
-    (32, (64, 64, 1, 4, 1)),    # N=80 leaves a masked tile edge; the wgmma fragment order
-    (128, (32, 128, 2, 2, 1)),  # split-K: partials + last-arriver reduce; the mma.sync fragment order
+    (32, (64, 64, 1, 4, 1)),    # N=80 leaves a masked tile edge
+    (128, (32, 128, 2, 4, 1)),  # split-K: partials + last-arriver reduce
 ])
 def test_kernel_matches_reference_for_every_m(interpret, seed, group, config):
     N, K = 80, 256
@@ -51,31 +51,24 @@ def test_kernel_matches_reference_for_every_m(interpret, seed, group, config):
         out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
         G.launch_int4_mm(x, packed, scale, zero, group, config, out=out)
         assert not out.isnan().any(), f"unwritten outputs at M={M} (seed {seed})"
-        assert rel_err(out, reference64(x, packed, scale, zero, group)) < 4e-3, f"M={M} seed {seed}"  # bf16 output rounding
+        # 1e-2: the interpreter truncates fp32 -> bf16 (twice the GPU's round-to-nearest error)
+        assert rel_err(out, reference64(x, packed, scale, zero, group)) < 1e-2, f"M={M} seed {seed}"
     if config[2] > 1:
         assert not G.counters(torch.device("cpu")).any(), "split-K arrival counters must be reset"
 
 
 @pytest.mark.parametrize("group", [32, 128])
-@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma_sync"])
-def test_prep_writes_x_in_fragment_order_and_group_sums(interpret, seed, group, wgmma):
-    """The prep kernel's contract with the GEMM: xp[:, g*G + c'] = x[:, g*G + src(c')] where position
-    c' = 2p + half takes k = 8(Q t + v) + s + 4 half (Q = G/32, s = 2 s1 + s0), with pair p = (v*4 + s)*4 + t
-    for wgmma and ((v*2 + s1)*4 + t)*2 + s0 for mma.sync; and xs = per-group sums of x in float32 with rows
-    M..15 zero (the GEMM reads all 16 rows unmasked)."""
+def test_prep_writes_x_in_fragment_order_and_group_sums(interpret, seed, group):
+    """The prep kernel's contract with the GEMM: xp[:, g*G + c'] = x[:, g*G + src(c')] with position
+    c' = ((v*4 + s)*4 + t)*2 + half taking k = 8(Q t + v) + s + 4 half (Q = G/32), and xs = per-group sums
+    of x in float32 with rows M..15 zero (the GEMM reads all 16 rows unmasked)."""
     M, K = 5, 2 * group
     x = torch.randn(M, K).to(torch.bfloat16)
     xp = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
     xs = torch.full((G.BLOCK_M, K // group), float("nan"))
-    G._int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=G.BLOCK_M,
-                                       FRAG_WGMMA=wgmma, PDL=False)
+    G._int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=G.BLOCK_M, PDL=False)
     Q, c = group // 32, torch.arange(group)
-    half, p = c % 2, c // 2
-    if wgmma:
-        t, s, v = p % 4, (p // 4) % 4, p // 16
-    else:
-        s0, t, s1, v = p % 2, (p // 2) % 4, (p // 8) % 2, p // 16
-        s = 2 * s1 + s0
+    half, t, s, v = c % 2, (c // 2) % 4, (c // 8) % 4, c // 32
     src = torch.cat([g * group + 8 * (Q * t + v) + s + 4 * half for g in range(K // group)])
     assert torch.equal(xp, x[:, src])
     sums = x.float().reshape(M, K // group, group).sum(-1)
