@@ -51,8 +51,8 @@ def test_kernel_matches_reference_for_every_m(interpret, seed, group, config):
         out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
         G.launch_int4_mm(x, packed, scale, zero, group, config, out=out)
         assert not out.isnan().any(), f"unwritten outputs at M={M} (seed {seed})"
-        # 1e-2: the interpreter truncates fp32 -> bf16 (twice the GPU's round-to-nearest error)
-        assert rel_err(out, reference64(x, packed, scale, zero, group)) < 1e-2, f"M={M} seed {seed}"
+        # 4e-3: about twice the bf16 rounding of the output (the interpreter rounds to nearest, as the GPU)
+        assert rel_err(out, reference64(x, packed, scale, zero, group)) < 4e-3, f"M={M} seed {seed}"
     if config[2] > 1:
         assert not G.counters(torch.device("cpu")).any(), "split-K arrival counters must be reset"
 
