@@ -4,8 +4,10 @@
   `int4_mm_reference`);
 - sdpa_midm: split-K attention for M <= 16 query rows over a long GQA KV cache (`sdpa_midm`,
   `sdpa_reference`);
+- norm_rope: the model's RMSNorm and RoPE in one launch each, bit-equal to models/layers.py (`rms_norm`,
+  `rope`);
 - dispatch: the one rule, M <= max_m -> these kernels, else the dense path;
 - transform: `to_kernels(model)` puts a models/ Transformer on them (CUDA; CPU under TRITON_INTERPRET=1).
-Both ops are `torch.library.triton_op`s (eagle3::int4_mm, eagle3::sdpa_midm) with fake implementations,
-so they trace into torch.export graphs. Benchmarks and notes: bench/kernels.py, bench/NOTES.md.
+All ops are `torch.library.triton_op`s (eagle3::int4_mm, eagle3::sdpa_midm, eagle3::rms_norm,
+eagle3::rope) with fake implementations, so they trace into torch.export graphs. Benchmarks and notes: bench/kernels.py, bench/NOTES.md.
 """
