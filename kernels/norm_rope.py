@@ -8,9 +8,10 @@ by 4. Measured on the H200: bench/NOTES.md.
 
 Equality: every rounding torch does in bf16 is repeated. RoPE rounds cos/sin to x's dtype, then x * cos and
 rotate_half(x) * sin each to bf16, then their sum (compiled without FMA contraction, `enable_fp_fusion`
-off: with it, Triton 3.6 turns product-then-add into one bf16 fma and 1 value in 5 differs on the H200); RMSNorm rounds the normalised row to x's dtype before
-the weight product. What may differ is RMSNorm's fp32 sum of squares (summation order) and rsqrt's last
-bit, so a normalised value can land one bf16 ulp away (tests bound it); RoPE is exact.
+off: with it, Triton 3.6 turns product-then-add into one bf16 fma and 1 value in 5 differs on the H200);
+RMSNorm rounds the normalised row to x's dtype before the weight product. What may differ is RMSNorm's
+fp32 sum of squares (summation order) and rsqrt's last bit, so a normalised value can land one bf16 ulp
+away (tests bound it); RoPE is exact.
 
   rms_norm(x [..., D], weight [D], eps) -> [..., D]       (x and weight bf16)
   rope(x [B, T, H*hd], cos, sin [T, rot], n_heads) -> [B, H, T, hd] contiguous, i.e. the model's
