@@ -330,7 +330,7 @@ def section_tune():
                 if K % (split * bk) or K // split < 512:
                     continue
                 tiles = math.ceil(N / bn)
-                if split > 1 and tiles * split > 8 * 132:
+                if split > 1 and tiles * split > 8 * RESULTS["env"]["sms"]:
                     continue
                 if split == 1 and tiles < 66 and K >= 4096:
                     continue
@@ -387,8 +387,7 @@ def section_tune():
         S.USE_PDL = True
         sdpa_rows.append(("winner without PDL", no_pdl))
         log(f"tune sdpa winner without PDL: {['%.1f' % t for t in no_pdl]}")
-    RESULTS["tune"] = dict(gemm_configs={f"{k[0]},{k[1]},{k[2]}": v for k, v in table.items()},
-                           gemm=detail, sdpa_config=dict(S.CONFIG), sdpa=sdpa_rows)
+    RESULTS["tune"].update(sdpa_config=dict(S.CONFIG), sdpa=sdpa_rows)
     save()
 
 

@@ -6,6 +6,8 @@ choice at whichever moment `kernels` was first imported, so a test suite in whic
 it first would run GPU-compiled kernels on CPU tensors. `LazyJit` keeps the plain function and decorates
 it on first launch in each mode; `launch` wraps it with `torch.library.wrap_triton` so the launch traces
 into graphs (torch passes an interpreted kernel through unwrapped).
+`compiled()` says which mode a launch is in (GPU-only launch options hang on it) and `sm_count(device)`
+the GPU's SM count that launch grids size their waves by.
 
 Interpreter shims (CPU tests only; they change nothing when kernels are compiled):
 - the 3.6 interpreter keeps scalars as 1-element numpy arrays and converts them with `int(array)`, which
@@ -22,8 +24,32 @@ Interpreter shims (CPU tests only; they change nothing when kernels are compiled
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 from torch.library import wrap_triton
+
+TUNED_SMS = 132  # the H200 the launch rules were tuned on; what they assume where there is no GPU
+
+
+def compiled() -> bool:
+    """Whether launches now compile for the GPU (False under TRITON_INTERPRET=1): GPU-only launch options
+    (programmatic dependent launch, compiler flags, inline PTX) apply only then."""
+    return not triton.knobs.runtime.interpret
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of `device`'s GPU (TUNED_SMS off the GPU): launch grids size waves by it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return TUNED_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _fix_interpreter() -> None:
@@ -87,7 +113,7 @@ class LazyJit:
         self._by_mode = {}
 
     def get(self):
-        mode = bool(triton.knobs.runtime.interpret)
+        mode = not compiled()
         if mode not in self._by_mode:
             if mode:
                 _fix_interpreter()

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._jit import lazy_jit
+from kernels._jit import TUNED_SMS, compiled, lazy_jit, sm_count
 
 BLOCK_M = 16  # activation rows per launch (the tensor-core minimum); M <= BLOCK_M
 USE_PTX = True  # the one-instruction lop3 on the GPU (False: plain and/or, same values, one more op per pair)
@@ -194,7 +194,7 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 15
 
 
-def default_config(N: int, K: int, group: int, sms: int = 132) -> tuple[int, ...]:
+def default_config(N: int, K: int, group: int, sms: int = TUNED_SMS) -> tuple[int, ...]:
     """What the tuning run favoured: 64-column tiles, 4 warps, and K split until there are ~4 programs per
     SM (the kernel is latency-bound, so more resident programs beat larger tiles), each split >= 512 deep."""
     block_n = 64
@@ -206,8 +206,8 @@ def default_config(N: int, K: int, group: int, sms: int = 132) -> tuple[int, ...
     return block_n, block_k, split, 4, 3
 
 
-def pick_config(N: int, K: int, group: int) -> tuple[int, ...]:
-    return CONFIGS.get((K, N, group)) or default_config(N, K, group)
+def pick_config(N: int, K: int, group: int, sms: int = TUNED_SMS) -> tuple[int, ...]:
+    return CONFIGS.get((K, N, group)) or default_config(N, K, group, sms)
 
 
 def counters(device: torch.device) -> torch.Tensor:
@@ -224,7 +224,7 @@ def launch_int4_mm(x, packed, scale, zero, group: int, config=None, out=None) ->
     N = packed.shape[0]
     if M > BLOCK_M:
         raise ValueError(f"int4_mm takes M <= {BLOCK_M} rows; got {M} (use the dense path)")
-    block_n, block_k, split, warps, stages, *max_regs = config or pick_config(N, K, group)
+    block_n, block_k, split, warps, stages, *max_regs = config or pick_config(N, K, group, sm_count(x.device))
     if K % (split * block_k) or block_k % group:
         raise ValueError(f"config {config} does not tile K={K} with group {group}")
     grid = (triton.cdiv(N, block_n), split)
@@ -235,13 +235,12 @@ def launch_int4_mm(x, packed, scale, zero, group: int, config=None, out=None) ->
     xs = torch.empty((BLOCK_M, K // group), dtype=torch.float32, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = counters(x.device) if split > 1 else y
-    compiled = not triton.knobs.runtime.interpret
-    pdl = USE_PDL and compiled
+    pdl = USE_PDL and compiled()
     _int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=BLOCK_M, PDL=pdl,
                                      num_warps=4)
     _int4_mm_kernel[grid](xp, xs, packed, scale, zero, y, ws, cnt, M, N, K, y.stride(0),
                           GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split,
-                          PTX=USE_PTX and compiled, PDL=pdl, num_warps=warps, num_stages=stages,
+                          PTX=USE_PTX and compiled(), PDL=pdl, num_warps=warps, num_stages=stages,
                           **({"launch_pdl": True} if pdl else {}),
                           **({"maxnreg": max_regs[0]} if max_regs else {}))
     return y

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import lazy_jit
+from kernels._jit import compiled, lazy_jit
 
 ROPE_HEADS = 8  # heads per RoPE program
 
@@ -33,7 +33,7 @@ ROPE_HEADS = 8  # heads per RoPE program
 def _compile_options() -> dict:
     """No multiply-add contraction, so each product is rounded where torch rounds it (GPU only: the
     interpreter computes each op as written)."""
-    return {} if triton.knobs.runtime.interpret else {"enable_fp_fusion": False}
+    return {"enable_fp_fusion": False} if compiled() else {}
 
 
 @lazy_jit

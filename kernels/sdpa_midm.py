@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._jit import lazy_jit
+from kernels._jit import TUNED_SMS, compiled, lazy_jit, sm_count
 
 MAX_M = 16
 LOG2E = 1.4426950408889634
@@ -153,7 +153,7 @@ CONFIG = dict(block_n=64, warps=4, stages=3, programs_per_sm=2, min_tiles_per_sp
 USE_PDL = True  # programmatic dependent launch of the reduce kernel (GPU only)
 
 
-def default_splits(L: int, heads: int, block_n: int, sms: int = 132) -> int:
+def default_splits(L: int, heads: int, block_n: int, sms: int = TUNED_SMS) -> int:
     """Splits of the key range: enough for CONFIG programs per SM in one wave (a second, partial wave of
     short programs costs a pipeline fill and drain each), and at least CONFIG key tiles per split."""
     want = max(1, CONFIG["programs_per_sm"] * sms // heads)
@@ -176,13 +176,13 @@ def launch_sdpa(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | 
     G = Hq // Hkv
     m_pad = triton.next_power_of_2(M)
     block_r = max(16, triton.next_power_of_2(G) * m_pad)
-    splits = splits or default_splits(L, B * Hkv, block_n)
+    splits = splits or default_splits(L, B * Hkv, block_n, sm_count(q.device))
     scale = D ** -0.5 if scale is None else scale
     ml = torch.empty((B * Hkv * splits * 2, block_r), dtype=torch.float32, device=q.device)
     acc = torch.empty((B * Hkv * splits * block_r, D), dtype=torch.float32, device=q.device)
     out = torch.empty((B, M, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     vlen = valid_len if valid_len is not None else q_pos
-    pdl = USE_PDL and not triton.knobs.runtime.interpret
+    pdl = USE_PDL and compiled()
     _sdpa_split_kernel[(splits, B * Hkv)](
         q, k, v, q_pos, vlen, ml, acc, M, L, scale * LOG2E, window,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

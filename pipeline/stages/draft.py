@@ -145,13 +145,10 @@ def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.Trai
     draft = draft.to(device)
     used = None if vm.size == V else vm.used.to(device)
 
-    def log_metrics(metrics: dict, step: int) -> None:
-        tracking.log_metrics(metrics, step=step)
-
     result = td.fit(draft, target.head, train_taps, held_out, tc, device,
                     checkpoint=scratch_dir() / CHECKPOINT, checkpoint_every_s=float(dc.train.checkpoint_every_s),
-                    eval_every=dc.train.get("eval_every"), log=log_metrics, log_every=int(dc.train.log_every),
-                    used=used)
+                    eval_every=dc.train.get("eval_every"), log=tracking.log_metrics,
+                    log_every=int(dc.train.log_every), used=used)
     report = {
         "params": sum(p.numel() for p in draft.parameters() if p.requires_grad),
         "vocab_coverage": round(vm.coverage, 4),
