@@ -137,14 +137,14 @@ def measure_bandwidth() -> dict:
 
 # ----------------------------------------------------------------------------- torch int4 peer
 
-def to_tinygemm(packed, scale, zero, group, even_high: bool = True):
-    """Our (packed, scale, zero) -> torch's tinygemm (int4pack, scales_and_zeros).
+def to_tinygemm(packed, scale_zero, group, even_high: bool = True):
+    """Our (packed, scale_zero) -> torch's tinygemm (int4pack, scales_and_zeros).
     tinygemm dequantises w = (q - 8) * scale + zero_f, so zero_f = (8 - zero) * scale."""
     q = G.unpack_int4(packed).to(torch.int32)
     u8 = ((q[:, 0::2] << 4) | q[:, 1::2]) if even_high else ((q[:, 1::2] << 4) | q[:, 0::2])
     w = torch.ops.aten._convert_weight_to_int4pack(u8.to(torch.uint8).contiguous(), 8)
-    s = scale.float()
-    sz = torch.stack((s, (8 - zero.float()) * s), dim=-1).to(torch.bfloat16).contiguous()  # [K/g, N, 2]
+    s, zero = scale_zero.float().unbind(-1)
+    sz = torch.stack((s, (8 - zero) * s), dim=-1).to(torch.bfloat16).contiguous()  # [K/g, N, 2]
     return w, sz
 
 
@@ -182,12 +182,12 @@ def section_check():
 def check_graph_replay():
     """Both ops captured in a CUDA graph (with PDL edges where enabled) give the eager result on new inputs."""
     out = RESULTS["check"]
-    packed, scale, zero = (t.cuda() for t in G.quantize_int4(torch.randn(5000, 4096, device="cuda"), 128))
+    packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(5000, 4096, device="cuda"), 128))
     x = torch.randn(8, 4096, device="cuda").to(torch.bfloat16)
     k, v = (torch.randn(1, 8, 9000, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
     q = torch.randn(1, 32, 8, 128, device="cuda").to(torch.bfloat16)
     q_pos = torch.arange(8000, 8008, device="cuda")
-    calls = lambda: (G.int4_mm(x, packed, scale, zero, 128), S.sdpa_midm(q, k, v, q_pos))
+    calls = lambda: (G.int4_mm(x, packed, scale_zero, 128), S.sdpa_midm(q, k, v, q_pos))
     calls()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -214,15 +214,15 @@ def check_int4():
     global TINYGEMM_EVEN_HIGH
     for group in (32, 128):
         N, K = 3000, 4096
-        packed, scale, zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K, device="cuda"), group))
+        packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K, device="cuda"), group))
         worst = 0.0
         for M in range(1, 17):
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-            ref = x.double() @ G.dequantize_int4(packed, scale, zero, group, torch.float64).t()
+            ref = x.double() @ G.dequantize_int4(packed, scale_zero, group, torch.float64).t()
             for cfg in (None, (64, 128, 4, 4, 3), (64, 256, 2, 4, 3, 96), (128, 128, 2, 4, 4),
                         (128, 256, 1, 8, 3)):
                 y = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-                G.launch_int4_mm(x, packed, scale, zero, group, cfg, out=y)
+                G.launch_int4_mm(x, packed, scale_zero, group, cfg, out=y)
                 e = rel_err(y, ref) if not y.isnan().any() else float("nan")
                 worst = max(worst, e) if not math.isnan(e) else float("nan")
         assert worst < 1e-2, f"int4 g{group}: rel err {worst}"
@@ -230,12 +230,12 @@ def check_int4():
         out[f"int4_g{group}_worst_rel_err"] = worst
         log(f"check int4 g{group}: worst rel err {worst:.2e}")
     # torch's packing: which nibble holds even k?
-    packed, scale, zero = (t.cuda() for t in G.quantize_int4(torch.randn(1024, 4096, device="cuda"), 128))
+    packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(1024, 4096, device="cuda"), 128))
     x = torch.randn(4, 4096, device="cuda").to(torch.bfloat16)
-    ref = x.double() @ G.dequantize_int4(packed, scale, zero, 128, torch.float64).t()
+    ref = x.double() @ G.dequantize_int4(packed, scale_zero, 128, torch.float64).t()
     errs = {}
     for even_high in (True, False):
-        w, sz = to_tinygemm(packed, scale, zero, 128, even_high)
+        w, sz = to_tinygemm(packed, scale_zero, 128, even_high)
         errs[even_high] = rel_err(tinygemm_mm(x, w, sz, 128), ref)
     TINYGEMM_EVEN_HIGH = min(errs, key=errs.get)
     out["tinygemm_rel_err"] = {str(k): v for k, v in errs.items()}
@@ -488,7 +488,7 @@ class TinyGemmLinear(torch.nn.Module):
     def __init__(self, lin):
         super().__init__()
         self.group = lin.group
-        self.w, self.sz = to_tinygemm(lin.packed, lin.scale, lin.zero, lin.group, TINYGEMM_EVEN_HIGH)
+        self.w, self.sz = to_tinygemm(lin.packed, lin.scale_zero, lin.group, TINYGEMM_EVEN_HIGH)
         self.bias = lin.bias
 
     def forward(self, x):
@@ -627,7 +627,7 @@ def section_model():
                 ("fused_plain", fused_plain), ("torch_plain", without_norm_rope(copy.deepcopy(peer))),
                 ("torch_fused_plain", torch_peer(copy.deepcopy(fused_plain))))
     weight_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
-                       if n.endswith(("packed", "scale", "zero")))
+                       if n.endswith(("packed", "scale_zero")))
     out = dict(weight_bytes=weight_bytes, rows=[])
     bw = RESULTS["env"]["copy_bw"]
     for ctx in contexts:

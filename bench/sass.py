@@ -56,7 +56,7 @@ def report(k, name: str) -> dict:
 
 def int4(block_n, block_k, group, split, warps, stages):
     from kernels.int4_gemm import BLOCK_M, _int4_mm_kernel
-    sig = dict(xp_ptr="*bf16", xs_ptr="*fp32", w_ptr="*u8", s_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16",
+    sig = dict(xp_ptr="*bf16", xs_ptr="*fp32", w_ptr="*u8", sz_ptr="*i32", y_ptr="*bf16",
                ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_ym="i32",
                GROUP="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", BLOCK_M="constexpr",
                SPLIT_K="constexpr", PTX="constexpr", PDL="constexpr")

@@ -26,15 +26,15 @@ def use_small_m(m: int, max_m: int) -> bool:
     return m <= max_m
 
 
-def int4_linear(x: torch.Tensor, packed, scale, zero, group: int, max_m: int, bias=None) -> torch.Tensor:
+def int4_linear(x: torch.Tensor, packed, scale_zero, group: int, max_m: int, bias=None) -> torch.Tensor:
     """x [..., K] bf16 -> [..., N]: the INT4 kernel when the rows fit, else dequantise + dense matmul."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"int4_linear takes bfloat16 activations; got {x.dtype}")
     x2 = x.reshape(-1, x.shape[-1])
     if use_small_m(x2.shape[0], max_m):
-        y = int4_mm(x2, packed, scale, zero, group)
+        y = int4_mm(x2, packed, scale_zero, group)
     else:
-        y = x2 @ dequantize_int4(packed, scale, zero, group, x.dtype).t()
+        y = x2 @ dequantize_int4(packed, scale_zero, group, x.dtype).t()
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], packed.shape[0])

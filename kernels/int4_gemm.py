@@ -2,7 +2,8 @@
 
 Format (ours, group g in {32, 128}):
   packed uint8 [N, K/2]  byte j of row n holds k = 2j in the low nibble and k = 2j+1 in the high nibble;
-  scale, zero  bf16 [K/g, N] (group-major, so one group's values for a tile of columns are contiguous);
+  scale_zero   bf16 [K/g, N, 2]: [..., 0] the scale, [..., 1] the zero (group-major, so one group's values for
+               a tile of columns are contiguous, and a column's pair is one 32-bit word; tinygemm's layout);
   w[n, k] = (q[n, k] - zero[k // g, n]) * scale[k // g, n], with q in 0..15 and integer zero in 0..15.
 
 Two launches per call. `_int4_prep_kernel` reads x once and writes what every program of the GEMM would
@@ -46,8 +47,8 @@ GROUPS = (32, 128)
 
 # ----------------------------------------------------------------------------- format and reference
 
-def quantize_int4(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantisation of w [N, K] -> (packed uint8 [N, K/2], scale bf16 [K/g, N], zero bf16 [K/g, N])."""
+def quantize_int4(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantisation of w [N, K] -> (packed uint8 [N, K/2], scale_zero bf16 [K/g, N, 2])."""
     N, K = w.shape
     if group not in GROUPS or K % group:
         raise ValueError(f"group {group} must be one of {GROUPS} and divide K={K}")
@@ -57,7 +58,8 @@ def quantize_int4(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torc
     zero = (-lo / scale).round().clamp(0, 15)
     q = (wg / scale[..., None] + zero[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(N, K)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
-    return packed.contiguous(), scale.t().contiguous().to(torch.bfloat16), zero.t().contiguous().to(torch.bfloat16)
+    scale_zero = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()
+    return packed.contiguous(), scale_zero
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -65,17 +67,17 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
-def dequantize_int4(packed, scale, zero, group: int, dtype=torch.bfloat16) -> torch.Tensor:
+def dequantize_int4(packed, scale_zero, group: int, dtype=torch.bfloat16) -> torch.Tensor:
     """-> w [N, K] in `dtype`, computed in float32 then rounded once."""
     q = unpack_int4(packed).float()
-    s = scale.float().t().repeat_interleave(group, dim=1)
-    z = zero.float().t().repeat_interleave(group, dim=1)
+    s = scale_zero[..., 0].float().t().repeat_interleave(group, dim=1)
+    z = scale_zero[..., 1].float().t().repeat_interleave(group, dim=1)
     return ((q - z) * s).to(dtype)
 
 
-def int4_mm_reference(x: torch.Tensor, packed, scale, zero, group: int) -> torch.Tensor:
+def int4_mm_reference(x: torch.Tensor, packed, scale_zero, group: int) -> torch.Tensor:
     """x [M, K] @ dequantize(w).T -> [M, N] in x's dtype."""
-    return x @ dequantize_int4(packed, scale, zero, group, x.dtype).t()
+    return x @ dequantize_int4(packed, scale_zero, group, x.dtype).t()
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -99,7 +101,7 @@ def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexp
 
 
 @lazy_jit(do_not_specialize=["M"])  # one binary for every M (1 would be specialised)
-def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
+def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                     M, N, K, stride_ym,
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
@@ -113,21 +115,41 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
     m_ok = offs_m < M
     words = tl.arange(0, GROUP // 8)
     cols = tl.arange(0, GROUP)
-    w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n.to(tl.int64)[:, None] * (K // 8)
+    # K % GROUP == 0 and GROUP >= 32, so a weight row is a whole number of 16-byte vectors; without the hint
+    # the compiler only knows K % 16 == 0 and splits every row into 8-byte loads.
+    row_words = tl.multiple_of(K // 8, 4)
+    w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n.to(tl.int64)[:, None] * row_words
     x_rows = xp_ptr + offs_m[:, None] * K
     k_len = tl.multiple_of(K // SPLIT_K, BLOCK_K)  # the launcher checks K % (SPLIT_K * BLOCK_K) == 0
     k_start = pid_k * k_len
     Q: tl.constexpr = GROUP // 32
+    G_ALL = K // GROUP
+    NG: tl.constexpr = BLOCK_K // GROUP
+    g_last = (k_start + k_len) // GROUP - 1
 
+    # A group's scale, zero and X are plain loads, and under the weight stream they return only after the
+    # weight tiles already in flight: loaded in the group that uses them, they were the kernel's largest
+    # stall (bench/NOTES.md, v7-v10). So the first two groups of each k-tile get theirs a whole k-tile
+    # ahead: each slot is reloaded, for the next k-tile, after its last use, and holds the loaded 32-bit
+    # words untouched until then (a conversion or a register copy at the back-edge would wait for the load).
+    # sz_ptr is scale_zero read as int32: a column's (scale, zero) pair is one word, scale in the low half.
+    g = k_start // GROUP
+    xs0 = tl.load(xs_ptr + offs_m * G_ALL + g)  # [BLOCK_M], zero past M
+    sz0 = tl.load(sz_ptr + g * N + offs_n, mask=n_ok)
+    g = tl.minimum(g + 1, g_last)
+    xs1 = tl.load(xs_ptr + offs_m * G_ALL + g)
+    sz1 = tl.load(sz_ptr + g * N + offs_n, mask=n_ok)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, k_len, BLOCK_K):  # (offset loop: the interpreter cannot range over program ids)
-        for j in tl.static_range(BLOCK_K // GROUP):
+        for j in tl.static_range(NG):
             kg = tl.multiple_of(k_start + k0 + j * GROUP, GROUP)
-            g = kg // GROUP
-            # the group's scale, zero and X first, so that their latency overlaps the unpacking and product
-            x_sum = tl.load(xs_ptr + offs_m * (K // GROUP) + g)  # [BLOCK_M, K / GROUP], zero past M
-            s = tl.load(s_ptr + g * N + offs_n, mask=n_ok).to(tl.float32)
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok).to(tl.float32)
+            if j == 0:
+                x_sum, sz = xs0, sz0
+            elif j == 1:
+                x_sum, sz = xs1, sz1
+            else:
+                x_sum = tl.load(xs_ptr + offs_m * G_ALL + kg // GROUP)
+                sz = tl.load(sz_ptr + kg // GROUP * N + offs_n, mask=n_ok)
             wd = tl.load(w_rows + (kg // 8 + words)[None, :], mask=n_ok[:, None])  # int32 words
             x = tl.load(x_rows + (kg + cols)[None, :], mask=m_ok[:, None], other=0.0)
             # Nibble s of a word holds k = 8 word + s (s < 8). (word >> 4s) & 0x000F000F | 0x43004300 is a
@@ -155,7 +177,16 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr,
             w = tl.reshape(tl.join((o & 0xFFFF).to(tl.int16), (o >> 16).to(tl.int16)), (BLOCK_N, GROUP))
             w = w.to(tl.bfloat16, bitcast=True)
             part = tl.dot(w, tl.trans(x))  # = sum_k x (q - z) + (128 + z) X,  X = the group's sum of x
+            s = (sz << 16).to(tl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
+            z = (sz & -65536).to(tl.float32, bitcast=True)
             acc += s[:, None] * (part - (z + 128.0)[:, None] * x_sum[None, :])
+            g = tl.minimum(kg // GROUP + NG, g_last)  # this slot's group in the next k-tile (or the last)
+            if j == 0:
+                xs0 = tl.load(xs_ptr + offs_m * G_ALL + g)
+                sz0 = tl.load(sz_ptr + g * N + offs_n, mask=n_ok)
+            elif j == 1:
+                xs1 = tl.load(xs_ptr + offs_m * G_ALL + g)
+                sz1 = tl.load(sz_ptr + g * N + offs_n, mask=n_ok)
 
     out_ok = n_ok[:, None] & m_ok[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -218,7 +249,7 @@ def counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def launch_int4_mm(x, packed, scale, zero, group: int, config=None, out=None) -> torch.Tensor:
+def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> torch.Tensor:
     """Launch the two kernels (no op registration): x [M, K] bf16, M <= 16 -> y [M, N] bf16."""
     M, K = x.shape
     N = packed.shape[0]
@@ -227,6 +258,9 @@ def launch_int4_mm(x, packed, scale, zero, group: int, config=None, out=None) ->
     block_n, block_k, split, warps, stages, *max_regs = config or pick_config(N, K, group, sm_count(x.device))
     if K % (split * block_k) or block_k % group:
         raise ValueError(f"config {config} does not tile K={K} with group {group}")
+    if scale_zero.shape != (K // group, N, 2) or scale_zero.dtype != torch.bfloat16 or not scale_zero.is_contiguous():
+        raise ValueError(f"scale_zero must be contiguous bfloat16 [K/g, N, 2] = [{K // group}, {N}, 2]; got "
+                         f"{scale_zero.dtype} {list(scale_zero.shape)} (contiguous: {scale_zero.is_contiguous()})")
     grid = (triton.cdiv(N, block_n), split)
     if grid[0] > _MAX_TILES:
         raise ValueError(f"N={N} needs {grid[0]} column tiles; the counter buffer has {_MAX_TILES}")
@@ -238,7 +272,8 @@ def launch_int4_mm(x, packed, scale, zero, group: int, config=None, out=None) ->
     pdl = USE_PDL and compiled()
     _int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=BLOCK_M, PDL=pdl,
                                      num_warps=4)
-    _int4_mm_kernel[grid](xp, xs, packed, scale, zero, y, ws, cnt, M, N, K, y.stride(0),
+    sz = scale_zero.view(torch.int32)  # [K/g, N, 1]: one word per (group, column)
+    _int4_mm_kernel[grid](xp, xs, packed, sz, y, ws, cnt, M, N, K, y.stride(0),
                           GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split,
                           PTX=USE_PTX and compiled(), PDL=pdl, num_warps=warps, num_stages=stages,
                           **({"launch_pdl": True} if pdl else {}),
@@ -247,12 +282,11 @@ def launch_int4_mm(x, packed, scale, zero, group: int, config=None, out=None) ->
 
 
 @torch.library.triton_op("eagle3::int4_mm", mutates_args=())
-def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-            group: int) -> torch.Tensor:
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int) -> torch.Tensor:
     """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] -> [M, N] bf16."""
-    return launch_int4_mm(x.contiguous(), packed, scale, zero, group)
+    return launch_int4_mm(x.contiguous(), packed, scale_zero, group)
 
 
 @int4_mm.register_fake
-def _(x, packed, scale, zero, group):
+def _(x, packed, scale_zero, group):
     return x.new_empty((x.shape[0], packed.shape[0]))

@@ -34,15 +34,14 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group, self.max_m = group, dispatch.check_max_m(max_m)
-        packed, scale, zero = quantize_int4(linear.weight.detach(), group)
+        packed, scale_zero = quantize_int4(linear.weight.detach(), group)
         self.register_buffer("packed", packed)
-        self.register_buffer("scale", scale)
-        self.register_buffer("zero", zero)
+        self.register_buffer("scale_zero", scale_zero)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
                                                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dispatch.int4_linear(x, self.packed, self.scale, self.zero, self.group, self.max_m, self.bias)
+        return dispatch.int4_linear(x, self.packed, self.scale_zero, self.group, self.max_m, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group={self.group}, max_m={self.max_m}"

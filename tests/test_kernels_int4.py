@@ -18,41 +18,45 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def reference64(x, packed, scale, zero, group):
-    return x.double() @ G.dequantize_int4(packed, scale, zero, group, torch.float64).t()
+def reference64(x, packed, scale_zero, group):
+    return x.double() @ G.dequantize_int4(packed, scale_zero, group, torch.float64).t()
 
 
 def test_packing_puts_even_k_in_the_low_nibble(seed):
     w = torch.randn(8, 64)
-    packed, scale, zero = G.quantize_int4(w, 32)
+    packed, scale_zero = G.quantize_int4(w, 32)
     q = G.unpack_int4(packed)
     assert torch.equal(packed & 0xF, q[:, 0::2]) and torch.equal(packed >> 4, q[:, 1::2])
-    assert packed.shape == (8, 32) and scale.shape == zero.shape == (2, 8)
+    assert packed.shape == (8, 32) and scale_zero.shape == (2, 8, 2) and scale_zero.dtype == torch.bfloat16
+    zero = scale_zero[..., 1].float()
+    assert torch.equal(zero, zero.round()) and 0 <= zero.min() and zero.max() <= 15, "zeros are integers 0..15"
 
 
 @pytest.mark.parametrize("group", [32, 128])
 def test_quantisation_error_is_within_one_step(seed, group):
     w = torch.randn(16, 256) * 3
-    packed, scale, zero = G.quantize_int4(w, group)
-    err = (G.dequantize_int4(packed, scale, zero, group, torch.float32) - w).abs()
-    step = scale.float().t().repeat_interleave(group, dim=1)
+    packed, scale_zero = G.quantize_int4(w, group)
+    err = (G.dequantize_int4(packed, scale_zero, group, torch.float32) - w).abs()
+    step = scale_zero[..., 0].float().t().repeat_interleave(group, dim=1)
     assert (err <= step + 1e-6).all(), f"seed {seed}"  # half a step, plus half for the rounded zero
 
 
-@pytest.mark.parametrize("group,config", [
-    (32, (64, 64, 1, 4, 1)),    # N=80 leaves a masked tile edge
-    (128, (32, 128, 2, 4, 1)),  # split-K: partials + last-arriver reduce
+@pytest.mark.parametrize("group,config,K", [
+    (32, (64, 64, 1, 4, 1), 256),    # N=80 leaves a masked tile edge; 4 k-tiles of 2 groups
+    (32, (32, 128, 1, 4, 1), 256),   # 4 groups per k-tile: groups past the second load their own
+    (128, (32, 128, 2, 4, 1), 256),  # split-K: partials + last-arriver reduce
+    (128, (32, 128, 2, 4, 1), 768),  # split-K over 3 groups each: the next group's scale/zero are preloaded
 ])
-def test_kernel_matches_reference_for_every_m(interpret, seed, group, config):
-    N, K = 80, 256
-    packed, scale, zero = G.quantize_int4(torch.randn(N, K), group)
+def test_kernel_matches_reference_for_every_m(interpret, seed, group, config, K):
+    N = 80
+    packed, scale_zero = G.quantize_int4(torch.randn(N, K), group)
     for M in range(1, MAX_M + 1):
         x = torch.randn(M, K).to(torch.bfloat16)
         out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
-        G.launch_int4_mm(x, packed, scale, zero, group, config, out=out)
+        G.launch_int4_mm(x, packed, scale_zero, group, config, out=out)
         assert not out.isnan().any(), f"unwritten outputs at M={M} (seed {seed})"
         # 4e-3: about twice the bf16 rounding of the output (the interpreter rounds to nearest, as the GPU)
-        assert rel_err(out, reference64(x, packed, scale, zero, group)) < 4e-3, f"M={M} seed {seed}"
+        assert rel_err(out, reference64(x, packed, scale_zero, group)) < 4e-3, f"M={M} seed {seed}"
     if config[2] > 1:
         assert not G.counters(torch.device("cpu")).any(), "split-K arrival counters must be reset"
 
@@ -76,41 +80,49 @@ def test_prep_writes_x_in_fragment_order_and_group_sums(interpret, seed, group):
 
 
 def test_op_matches_plain_reference(interpret, seed):
-    packed, scale, zero = G.quantize_int4(torch.randn(64, 128), 32)
+    packed, scale_zero = G.quantize_int4(torch.randn(64, 128), 32)
     x = torch.randn(3, 128).to(torch.bfloat16)
-    out = G.int4_mm(x, packed, scale, zero, 32)
-    assert rel_err(out, G.int4_mm_reference(x, packed, scale, zero, 32)) < 2e-2
+    out = G.int4_mm(x, packed, scale_zero, 32)
+    assert rel_err(out, G.int4_mm_reference(x, packed, scale_zero, 32)) < 2e-2
 
 
 def test_op_traces_into_an_exported_graph(interpret):
-    packed, scale, zero = G.quantize_int4(torch.randn(64, 128), 128)
+    packed, scale_zero = G.quantize_int4(torch.randn(64, 128), 128)
 
     class Lin(torch.nn.Module):
         def forward(self, x):
-            return G.int4_mm(x, packed, scale, zero, 128)
+            return G.int4_mm(x, packed, scale_zero, 128)
 
     m = torch.export.Dim("m", min=1, max=MAX_M)
     ep = torch.export.export(Lin(), (torch.randn(4, 128).to(torch.bfloat16),), dynamic_shapes=({0: m},))
     assert any("int4_mm" in str(n.target) for n in ep.graph.nodes)
     x = torch.randn(7, 128).to(torch.bfloat16)
-    assert rel_err(ep.module()(x), reference64(x, packed, scale, zero, 128)) < 1e-2
+    assert rel_err(ep.module()(x), reference64(x, packed, scale_zero, 128)) < 1e-2
 
 
 def test_more_rows_than_the_kernel_takes_are_refused():
-    packed, scale, zero = G.quantize_int4(torch.randn(64, 128), 128)
+    packed, scale_zero = G.quantize_int4(torch.randn(64, 128), 128)
     with pytest.raises(ValueError, match="M <= 16"):
-        G.launch_int4_mm(torch.randn(17, 128).to(torch.bfloat16), packed, scale, zero, 128)
+        G.launch_int4_mm(torch.randn(17, 128).to(torch.bfloat16), packed, scale_zero, 128)
+
+
+def test_scale_zero_in_another_layout_is_refused():
+    packed, scale_zero = G.quantize_int4(torch.randn(64, 128), 32)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    for bad in (scale_zero.transpose(0, 1), scale_zero[..., 0], scale_zero.float()):
+        with pytest.raises(ValueError, match=r"scale_zero must be contiguous bfloat16 \[K/g, N, 2\] = \[4, 64, 2\]"):
+            G.launch_int4_mm(x, packed, bad, 32)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("group", [32, 128])
 def test_gpu_kernel_matches_reference(seed, group):
     N, K = 3000, 4096  # N not a multiple of any BLOCK_N
-    packed, scale, zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K), group))
+    packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K), group))
     for M in range(1, 17):
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
         for config in (None, (64, 128, 4, 4, 3), (64, 256, 2, 4, 3, 96), (128, 256, 1, 8, 3)):
             out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-            G.launch_int4_mm(x, packed, scale, zero, group, config, out=out)
+            G.launch_int4_mm(x, packed, scale_zero, group, config, out=out)
             assert not out.isnan().any(), f"unwritten outputs M={M} {config} seed {seed}"
-            assert rel_err(out, reference64(x, packed, scale, zero, group)) < 4e-3, f"M={M} {config} seed {seed}"
+            assert rel_err(out, reference64(x, packed, scale_zero, group)) < 4e-3, f"M={M} {config} seed {seed}"

@@ -26,7 +26,7 @@ def with_dequantised_weights(ref, kern):
     weights = {}
     for name, m in kern.named_modules():
         if isinstance(m, Int4Linear):
-            weights[name] = dequantize_int4(m.packed, m.scale, m.zero, m.group, torch.bfloat16)
+            weights[name] = dequantize_int4(m.packed, m.scale_zero, m.group, torch.bfloat16)
     for name, lin in ref.named_modules():
         if not isinstance(lin, torch.nn.Linear):
             continue
