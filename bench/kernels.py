@@ -326,7 +326,7 @@ def section_tune():
         best, rows = None, []
         t_shape = time.time()
         for bn, bk, warps, stages, *max_regs in GEMM_CANDIDATES:
-            for split in (1, 2, 4, 8):
+            for split in (1, 2, 3, 4, 6, 7, 8):
                 if K % (split * bk) or K // split < 512:
                     continue
                 tiles = math.ceil(N / bn)

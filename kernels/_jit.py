@@ -4,8 +4,8 @@ Triton 3.6 reads `TRITON_INTERPRET` when `@triton.jit` decorates a function (tri
 `jit()` checks `knobs.runtime.interpret` inside the decorator). Decorating at import would freeze the
 choice at whichever moment `kernels` was first imported, so a test suite in which another module imports
 it first would run GPU-compiled kernels on CPU tensors. `LazyJit` keeps the plain function and decorates
-it on first launch in each mode; `launch` wraps it with `torch.library.wrap_triton` so the launch traces
-into graphs (torch passes an interpreted kernel through unwrapped).
+it on first launch in each mode; a compiled launch goes through `torch.library.wrap_triton` so it traces
+into graphs (an interpreted one is launched directly, as torch 2.13 itself does and 2.11 refuses to).
 `compiled()` says which mode a launch is in (GPU-only launch options hang on it) and `sm_count(device)`
 the GPU's SM count that launch grids size their waves by.
 
@@ -19,7 +19,8 @@ Interpreter shims (CPU tests only; they change nothing when kernels are compiled
 - triton's own standard library (`tl.zeros`, `tl.sum`, `tl.cdiv`, ...) is `@jit`-decorated when triton is
   imported, so it is compiled-mode when the variable was set later; for the duration of each interpreted
   launch (the interpreter's own patch scope, restored afterwards) those functions are swapped for
-  interpreted ones.
+  interpreted ones, whose calls restore the language builtins they patch (3.6's do not, which broke every
+  compiled launch after an interpreted one in the same process).
 """
 
 from __future__ import annotations
@@ -86,6 +87,20 @@ def _fix_interpreter() -> None:
 
     from triton.runtime.jit import JITFunction
 
+    class ScopedInterpreted(interpreter.InterpretedFunction):
+        """A device-function call (tl.sum inside a kernel) patches triton.language for itself and, in 3.6,
+        never restores it: every later compiled kernel in the process then meets interpreter builtins
+        ("inline_asm not supported in interpreter mode"). This one restores them when the call returns."""
+
+        def __call__(self, *args, **kwargs):
+            scope = interpreter._patch_lang(self.fn)
+            try:
+                return self.rewrite()(*args, **kwargs)
+            except Exception as e:
+                raise interpreter.InterpreterError(repr(e)) from e
+            finally:
+                scope.restore()
+
     interpreted = {}
     patch_lang = interpreter._patch_lang
 
@@ -95,7 +110,7 @@ def _fix_interpreter() -> None:
             for name, value in list(vars(module).items()):
                 if isinstance(value, JITFunction):
                     if id(value) not in interpreted:  # (a JITFunction hashes by compiling its cache key)
-                        interpreted[id(value)] = interpreter.InterpretedFunction(value.fn)
+                        interpreted[id(value)] = ScopedInterpreted(value.fn)
                     scope.set_attr(module, name, interpreted[id(value)])
         return scope
 
@@ -121,7 +136,10 @@ class LazyJit:
         return self._by_mode[mode]
 
     def __getitem__(self, grid):
-        return wrap_triton(self.get())[grid]
+        # torch 2.13 passes an interpreted kernel through wrap_triton unwrapped; 2.11 refuses it. Only a
+        # compiled kernel can trace into a graph, so only that one is wrapped.
+        kernel = self.get()
+        return wrap_triton(kernel)[grid] if compiled() else kernel[grid]
 
 
 def lazy_jit(fn=None, **jit_kwargs):

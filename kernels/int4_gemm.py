@@ -210,16 +210,16 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, register cap per thread]) per (K, N, group), from the
 # tuning run on the H200 (python3 -m bench.kernels --tune; bench/NOTES.md). Other shapes: `default_config`.
 CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
-    (4096, 4096, 128): (64, 256, 8, 4, 3),
+    (4096, 4096, 128): (64, 256, 4, 4, 3, 96),
     (4096, 14336, 128): (64, 256, 2, 4, 3),
-    (14336, 4096, 128): (64, 256, 8, 4, 3),
-    (5376, 21504, 128): (64, 256, 1, 4, 3),
-    (21504, 5376, 128): (64, 256, 4, 4, 3),
-    (8192, 28672, 128): (64, 256, 2, 4, 3),
-    (4096, 1024, 128): (64, 512, 8, 4, 3),     # Llama-3-8B k_proj / v_proj
-    (4096, 128256, 128): (64, 256, 1, 4, 3),   # Llama-3-8B lm_head
-    (4096, 6144, 128): (64, 256, 4, 4, 3),     # fused q|k|v
-    (4096, 28672, 128): (64, 256, 1, 4, 3),    # fused gate|up
+    (14336, 4096, 128): (64, 256, 8, 4, 3, 96),
+    (5376, 21504, 128): (64, 256, 3, 4, 3, 96),
+    (21504, 5376, 128): (64, 256, 6, 4, 3, 96),
+    (8192, 28672, 128): (64, 256, 2, 4, 3, 96),
+    (4096, 1024, 128): (64, 256, 8, 4, 3, 96),   # Llama-3-8B k_proj / v_proj
+    (4096, 128256, 128): (64, 256, 1, 4, 3),     # Llama-3-8B lm_head
+    (4096, 6144, 128): (64, 256, 4, 4, 3, 96),   # fused q|k|v
+    (4096, 28672, 128): (64, 256, 2, 4, 3, 96),  # fused gate|up
 }
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 15
