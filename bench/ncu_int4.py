@@ -1,10 +1,10 @@
 """The workload that Nsight Compute profiles for the INT4 GEMM: a few calls of ours and of torch's tinygemm.
 
-    ncu --clock-control none --set full -k regex:'int4|Int4|tinygemm' --export $OUT/int4 python3 -m bench.ncu_int4
+    ncu --clock-control none --set full -k regex:'int4_mm|tinygemm_m16' --export $OUT/int4 python3 -m bench.ncu_int4
 
-Each (K, N, M) runs twice after a warm-up pass, so the profiled launches are the second and third calls (the
-first compiles). The stall reasons per SASS line (`ncu --import ... --page source --print-source sass`) are
-what decides where a program's time goes; see bench/NOTES.md.
+Each (K, N, M) calls both three times (ncu profiles each launch on its own, so no warm-up is needed; the
+first call's compilation happens on the host). The stall reasons per SASS line (`ncu --import ... --page
+source --print-source sass --csv`) are what decided the GEMM's v7-v10; see bench/NOTES.md.
 """
 
 from __future__ import annotations
