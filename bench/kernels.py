@@ -17,7 +17,8 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
 - model: Llama-3-8B shapes with random weights, CUDA-graph replays of the cached forward at 4096 and 32768
   positions, T in {1, 2, 4, 8}: ours (kernels.transform, separate and fused q|k|v, gate|up linears, with
   the RMSNorm/RoPE kernels) and the same two models on torch int4 + torch SDPA; and, without the
-  RMSNorm/RoPE kernels (the model's own torch code), the fused model and both torch peers;
+  RMSNorm/RoPE kernels (the model's own torch code), the fused model and both torch peers; and the fused
+  model with programmatic dependent launch off (`fused_nopdl`: plain graph edges), to price PDL;
 - profile: where the forward's kernel time goes at T = 1 against T = 2 (ctx 4096).
 Timing: each measurement captures a CUDA graph of many calls that rotate over enough input copies to
 exceed the 60 MB L2 several times, replays it repeatedly, and reports the median per-call time.
@@ -625,7 +626,8 @@ def section_model():
     fused_plain = without_norm_rope(copy.deepcopy(fused))
     variants = (("ours", model), ("fused", fused), ("torch", peer), ("torch_fused", peer_fused),
                 ("fused_plain", fused_plain), ("torch_plain", without_norm_rope(copy.deepcopy(peer))),
-                ("torch_fused_plain", torch_peer(copy.deepcopy(fused_plain))))
+                ("torch_fused_plain", torch_peer(copy.deepcopy(fused_plain))),
+                ("fused_nopdl", fused))  # the default model with plain graph edges instead of dependent launches
     weight_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
                        if n.endswith(("packed", "scale_zero")))
     out = dict(weight_bytes=weight_bytes, rows=[])
@@ -637,6 +639,8 @@ def section_model():
         torch.cuda.empty_cache()
         if ctx == contexts[0]:
             for name, m in variants:
+                if name.endswith("_nopdl"):
+                    continue
                 try:
                     out[f"profile_{name}_T1"] = prof = profile_forward(m, ctx, 1)
                     log(f"profile {name} T=1: {prof['kernels']} kernels, {prof['total_us']:.0f} us")
@@ -648,10 +652,15 @@ def section_model():
         for T in Ts:
             row = dict(ctx=ctx, T=T, floor_us=(weight_bytes + kv_bytes) / bw * 1e6)
             for name, m in variants:
+                pdl = G.USE_PDL, S.USE_PDL
+                if name.endswith("_nopdl"):  # read at launch, so the captured graph has plain edges
+                    G.USE_PDL = S.USE_PDL = False
                 try:
                     row[f"{name}_us"] = time_forward(m, ctx, T)
                 except Exception as e:
                     row[f"{name}_error"] = repr(e)[:300]
+                finally:
+                    G.USE_PDL, S.USE_PDL = pdl
             log(f"model ctx={ctx} T={T}: {row}")
             out["rows"].append(row)
             RESULTS["model"] = out
@@ -694,7 +703,7 @@ def print_tables():
         for r in RESULTS["model"]["rows"]:
             cols = "  ".join(f"{n} {r.get(n + '_us', float('nan')):7.0f}" for n in
                              ("ours", "fused", "torch", "torch_fused", "fused_plain", "torch_plain",
-                              "torch_fused_plain"))
+                              "torch_fused_plain", "fused_nopdl"))
             log(f"ctx {r['ctx']:>6} T={r['T']}: {cols}  floor {r['floor_us']:6.0f}")
 
 
