@@ -213,23 +213,24 @@ def check_int4():
     out["use_ptx"] = G.USE_PTX
     out["use_pdl"] = G.USE_PDL
     global TINYGEMM_EVEN_HIGH
-    for group in (32, 128):
-        N, K = 3000, 4096
+    shapes = (None, (64, 128, 4, 4, 3), (64, 256, 2, 4, 3, 96), (128, 128, 2, 4, 4), (128, 256, 1, 8, 3))
+    splits = (None, (64, 256, 3, 4, 3, 96), (64, 256, 6, 4, 3, 96))  # K = 6144: 24 k-tiles of 256
+    for group, K, cfgs in ((32, 4096, shapes), (128, 4096, shapes), (128, 6144, splits)):
+        N = 3000
         packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K, device="cuda"), group))
         worst = 0.0
         for M in range(1, 17):
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ G.dequantize_int4(packed, scale_zero, group, torch.float64).t()
-            for cfg in (None, (64, 128, 4, 4, 3), (64, 256, 2, 4, 3, 96), (128, 128, 2, 4, 4),
-                        (128, 256, 1, 8, 3)):
+            for cfg in cfgs:
                 y = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
                 G.launch_int4_mm(x, packed, scale_zero, group, cfg, out=y)
                 e = rel_err(y, ref) if not y.isnan().any() else float("nan")
                 worst = max(worst, e) if not math.isnan(e) else float("nan")
         assert worst < 1e-2, f"int4 g{group}: rel err {worst}"
         assert not G.counters(torch.device("cuda")).any(), "split-K counters not reset"
-        out[f"int4_g{group}_worst_rel_err"] = worst
-        log(f"check int4 g{group}: worst rel err {worst:.2e}")
+        out[f"int4_g{group}_k{K}_worst_rel_err"] = worst
+        log(f"check int4 g{group} K={K} ({len(cfgs)} configs incl. the default): worst rel err {worst:.2e}")
     # torch's packing: which nibble holds even k?
     packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(1024, 4096, device="cuda"), 128))
     x = torch.randn(4, 4096, device="cuda").to(torch.bfloat16)

@@ -46,6 +46,7 @@ def test_quantisation_error_is_within_one_step(seed, group):
     (32, (32, 128, 1, 4, 1), 256),   # 4 groups per k-tile: groups past the second load their own
     (128, (32, 128, 2, 4, 1), 256),  # split-K: partials + last-arriver reduce
     (128, (32, 128, 2, 4, 1), 768),  # split-K over 3 groups each: the next group's scale/zero are preloaded
+    (128, (32, 128, 3, 4, 1), 768),  # a split that is not a power of 2
 ])
 def test_kernel_matches_reference_for_every_m(interpret, seed, group, config, K):
     N = 80
@@ -104,6 +105,19 @@ def test_more_rows_than_the_kernel_takes_are_refused():
     packed, scale_zero = G.quantize_int4(torch.randn(64, 128), 128)
     with pytest.raises(ValueError, match="M <= 16"):
         G.launch_int4_mm(torch.randn(17, 128).to(torch.bfloat16), packed, scale_zero, 128)
+
+
+@pytest.mark.parametrize("K,N,split", [
+    (5376, 21504, 3),  # 21 k-tiles of 256: 336 column tiles need 3 slices for 4 programs per SM (528)
+    (21504, 5376, 7),  # 84 k-tiles, 84 column tiles: 7 slices (588) is the first divisor past 528
+    (8192, 28672, 2),  # 448 tiles: 2 slices
+    (4096, 4096, 8),   # 64 tiles: 8 slices would still leave 512 programs, and 8 is the cap
+    (18944, 3584, 2),  # 74 k-tiles: no divisor between 2 and the cap, so the largest allowed
+    (96, 64, 1),       # slices must stay >= 512 deep
+])
+def test_default_config_splits_k_by_divisors_up_to_the_cap(K, N, split):
+    block_n, block_k, got, *_ = G.default_config(N, K, 128 if K % 128 == 0 else 32, sms=132)
+    assert got == split and (K // block_k) % got == 0 and got <= G.MAX_SPLIT
 
 
 def test_scale_zero_in_another_layout_is_refused():
