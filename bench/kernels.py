@@ -635,7 +635,7 @@ def section_model():
     bw = RESULTS["env"]["copy_bw"]
     for ctx in contexts:
         cap = ctx + 256
-        for _, m in variants:
+        for m in {id(m): m for _, m in variants}.values():  # (fused_nopdl is the fused model itself)
             set_cache_capacity(m, cap)
         torch.cuda.empty_cache()
         if ctx == contexts[0]:

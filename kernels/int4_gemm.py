@@ -32,6 +32,8 @@ Measured on the H200: bench/NOTES.md.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -148,8 +150,9 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             elif j == 1:
                 x_sum, sz = xs1, sz1
             else:
-                x_sum = tl.load(xs_ptr + offs_m * G_ALL + kg // GROUP)
-                sz = tl.load(sz_ptr + kg // GROUP * N + offs_n, mask=n_ok)
+                g = kg // GROUP
+                x_sum = tl.load(xs_ptr + offs_m * G_ALL + g)
+                sz = tl.load(sz_ptr + g * N + offs_n, mask=n_ok)
             wd = tl.load(w_rows + (kg // 8 + words)[None, :], mask=n_ok[:, None])  # int32 words
             x = tl.load(x_rows + (kg + cols)[None, :], mask=m_ok[:, None], other=0.0)
             # Nibble s of a word holds k = 8 word + s (s < 8). (word >> 4s) & 0x000F000F | 0x43004300 is a
@@ -228,6 +231,7 @@ _MAX_TILES = 1 << 15
 MAX_SPLIT = 8  # the tuned range; every slice adds an fp32 partial that the last arriver reads back
 
 
+@functools.cache  # (called on every launch of a shape the table lacks)
 def default_config(N: int, K: int, group: int, sms: int = TUNED_SMS) -> tuple[int, ...]:
     """What the tuning runs favoured: 64-column tiles, 4 warps, and K split (any divisor of the k-tile count
     up to MAX_SPLIT, not only powers of 2: 5376 = 21 k-tiles of 256 ran 10% faster split 3 than whole) into
