@@ -59,8 +59,8 @@ def int4(block_n, block_k, group, split, warps, stages):
     sig = dict(xp_ptr="*bf16", xs_ptr="*fp32", w_ptr="*u8", sz_ptr="*i32", y_ptr="*bf16",
                ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_ym="i32",
                GROUP="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", BLOCK_M="constexpr",
-               SPLIT_K="constexpr", EVEN_N="constexpr", PTX="constexpr", PDL="constexpr")
-    const = dict(GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split, EVEN_N=True, PTX=True, PDL=True)
+               SPLIT_K="constexpr", PTX="constexpr", PDL="constexpr")
+    const = dict(GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split, PTX=True, PDL=True)
     aligned = [a for a, t in sig.items() if t.startswith("*")] + ["N", "K", "stride_ym"]
     return compile_sm90(_int4_mm_kernel.get(), sig, const, warps, stages, aligned)
 

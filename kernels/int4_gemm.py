@@ -106,8 +106,7 @@ def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexp
 def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                     M, N, K, stride_ym,
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, PTX: tl.constexpr,
-                    PDL: tl.constexpr):
+                    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()  # the prep kernel's xp and xs are complete past this point
     pid_n = tl.program_id(0)
@@ -123,13 +122,12 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     row_words = tl.multiple_of(K // 8, 4)
     w_rows = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offs_n.to(tl.int64)[:, None] * row_words
     x_rows = xp_ptr + offs_m[:, None] * K
-    sz_cols = sz_ptr + offs_n
+    k_len = tl.multiple_of(K // SPLIT_K, BLOCK_K)  # the launcher checks K % (SPLIT_K * BLOCK_K) == 0
+    k_start = pid_k * k_len
     Q: tl.constexpr = GROUP // 32
-    NG: tl.constexpr = BLOCK_K // GROUP
     G_ALL = K // GROUP
-    n_tiles = K // (SPLIT_K * BLOCK_K)  # k-tiles per slice (the launcher checks the division)
-    g_first = pid_k * n_tiles * NG
-    g_last = g_first + n_tiles * NG - 1
+    NG: tl.constexpr = BLOCK_K // GROUP
+    g_last = (k_start + k_len) // GROUP - 1
 
     # A group's scale, zero and X are plain loads, and under the weight stream they return only after the
     # weight tiles already in flight: loaded in the group that uses them, they were the kernel's largest
@@ -137,25 +135,26 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     # ahead: each slot is reloaded, for the next k-tile, after its last use, and holds the loaded 32-bit
     # words untouched until then (a conversion or a register copy at the back-edge would wait for the load).
     # sz_ptr is scale_zero read as int32: a column's (scale, zero) pair is one word, scale in the low half.
-    xs0 = tl.load(xs_ptr + offs_m * G_ALL + g_first)  # [BLOCK_M], zero past M
-    sz0 = tl.load(sz_cols + g_first * N, mask=n_ok | EVEN_N)
-    g = tl.minimum(g_first + 1, g_last)
+    g = k_start // GROUP
+    xs0 = tl.load(xs_ptr + offs_m * G_ALL + g)  # [BLOCK_M], zero past M
+    sz0 = tl.load(sz_ptr + g * N + offs_n, mask=n_ok)
+    g = tl.minimum(g + 1, g_last)
     xs1 = tl.load(xs_ptr + offs_m * G_ALL + g)
-    sz1 = tl.load(sz_cols + g * N, mask=n_ok | EVEN_N)
+    sz1 = tl.load(sz_ptr + g * N + offs_n, mask=n_ok)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for t in range(0, n_tiles):
+    for k0 in range(0, k_len, BLOCK_K):  # (offset loop: the interpreter cannot range over program ids)
         for j in tl.static_range(NG):
-            g = g_first + t * NG + j
+            kg = tl.multiple_of(k_start + k0 + j * GROUP, GROUP)
             if j == 0:
                 x_sum, sz = xs0, sz0
             elif j == 1:
                 x_sum, sz = xs1, sz1
             else:
+                g = kg // GROUP
                 x_sum = tl.load(xs_ptr + offs_m * G_ALL + g)
-                sz = tl.load(sz_cols + g * N, mask=n_ok | EVEN_N)
-            wd = tl.load(w_rows + (g * (GROUP // 8) + words)[None, :], mask=(n_ok | EVEN_N)[:, None])  # int32
-            # rows >= M are not read: L2 traffic for x grows with M only (reading all 16 rows cost 5-10%)
-            x = tl.load(x_rows + (g * GROUP + cols)[None, :], mask=m_ok[:, None], other=0.0)
+                sz = tl.load(sz_ptr + g * N + offs_n, mask=n_ok)
+            wd = tl.load(w_rows + (kg // 8 + words)[None, :], mask=n_ok[:, None])  # int32 words
+            x = tl.load(x_rows + (kg + cols)[None, :], mask=m_ok[:, None], other=0.0)
             # Nibble s of a word holds k = 8 word + s (s < 8). (word >> 4s) & 0x000F000F | 0x43004300 is a
             # bf16 pair (128 + q[s], 128 + q[s+4]) in one lop3 (bf16 bits 0x4300 | q = 128 + q exactly).
             if PTX:  # force one lop3 per pair (ptxas leaves the and + or as two instructions)
@@ -184,13 +183,13 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             s = (sz << 16).to(tl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
             z = (sz & -65536).to(tl.float32, bitcast=True)
             acc += s[:, None] * (part - (z + 128.0)[:, None] * x_sum[None, :])
-            g = tl.minimum(g + NG, g_last)  # this slot's group in the next k-tile (or the last)
+            g = tl.minimum(kg // GROUP + NG, g_last)  # this slot's group in the next k-tile (or the last)
             if j == 0:
                 xs0 = tl.load(xs_ptr + offs_m * G_ALL + g)
-                sz0 = tl.load(sz_cols + g * N, mask=n_ok | EVEN_N)
+                sz0 = tl.load(sz_ptr + g * N + offs_n, mask=n_ok)
             elif j == 1:
                 xs1 = tl.load(xs_ptr + offs_m * G_ALL + g)
-                sz1 = tl.load(sz_cols + g * N, mask=n_ok | EVEN_N)
+                sz1 = tl.load(sz_ptr + g * N + offs_n, mask=n_ok)
 
     out_ok = n_ok[:, None] & m_ok[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -286,7 +285,7 @@ def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> 
     sz = scale_zero.view(torch.int32)  # [K/g, N, 1]: one word per (group, column)
     _int4_mm_kernel[grid](xp, xs, packed, sz, y, ws, cnt, M, N, K, y.stride(0),
                           GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split,
-                          EVEN_N=N % block_n == 0, PTX=USE_PTX and compiled(), PDL=pdl, num_warps=warps, num_stages=stages,
+                          PTX=USE_PTX and compiled(), PDL=pdl, num_warps=warps, num_stages=stages,
                           **({"launch_pdl": True} if pdl else {}),
                           **({"maxnreg": max_regs[0]} if max_regs else {}))
     return y
