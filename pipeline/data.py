@@ -10,10 +10,13 @@ never trained on.
   test suites (`test`, `tests`, `idle_test`: 19 MB of repetitive test code and data beside 12 MB of library
   code on CPython 3.11) and `pydoc_data` (one generated 760 KB file of English help text, which would
   otherwise dominate whichever split it falls in), leaving ~730 files, 11 MB.
-- `data=text data.paths=[...]`: files or globs (recursive `**` allowed), id = the path as matched. A `.jsonl`
-  file is one document per line, read from `data.text_field` (id = `<path>#<line>`); any other file is one
-  plain-text document. If the hash split leaves either side empty (a single file, say), every document is
-  cut at a line boundary instead: the first (1 - fraction) of it trains, the rest is held out.
+- `data=text data.paths=[...]`: files or globs (recursive `**` allowed), id = the path relative to its
+  pattern's directory (the part before the first glob component; a plain file's own directory), so the
+  split does not move when the corpus does. Two files with one id (`a/*.txt` and `b/*.txt` both matching
+  `x.txt`) are refused: give one pattern over their common directory. A `.jsonl` file is one document per
+  line, read from `data.text_field` (id = `<id>#<line>`); any other file is one plain-text document. If the
+  hash split leaves either side empty (a single file, say), every document is cut at a line boundary
+  instead: the first (1 - fraction) of it trains, the rest is held out.
 
 `data.max_bytes` caps the corpus (documents in sorted order until the cap; the smoke preset uses it).
 `fingerprint(data_cfg)` hashes ids and contents: the pipeline adds it to the `data` config subtree so a
@@ -30,6 +33,7 @@ import glob
 import hashlib
 import json
 import logging
+import os
 import sysconfig
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -64,6 +68,14 @@ def _stdlib_sources(cfg: Mapping) -> list[tuple[str, Path]]:
     return sorted((p.relative_to(root).as_posix(), p) for p in files)
 
 
+def _pattern_dir(pattern: str) -> str:
+    """The directory a glob's matches are named from: its components before the first one with a glob
+    character (a plain file's own directory)."""
+    parts = Path(pattern).parts
+    plain = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts) - 1)
+    return str(Path(*parts[:plain])) if plain else "."
+
+
 def _text_sources(cfg: Mapping) -> list[tuple[str, Path]]:
     patterns = list(cfg.get("paths") or ())
     if not patterns:
@@ -73,7 +85,14 @@ def _text_sources(cfg: Mapping) -> list[tuple[str, Path]]:
         matches = [m for m in glob.glob(str(pattern), recursive=True) if Path(m).is_file()]
         if not matches:
             raise FileNotFoundError(f"data.paths: {pattern!r} matches no file")
-        found.update((m, Path(m)) for m in matches)
+        base = _pattern_dir(str(pattern))
+        for m in matches:
+            doc_id = Path(os.path.relpath(m, base)).as_posix()
+            if doc_id in found and found[doc_id].resolve() != Path(m).resolve():
+                raise ValueError(f"data.paths: {str(found[doc_id])!r} and {m!r} both have the id {doc_id!r} (ids are "
+                                 "paths relative to each pattern's directory); use one pattern over their common "
+                                 "directory instead")
+            found[doc_id] = Path(m)
     return sorted(found.items())
 
 

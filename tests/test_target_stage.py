@@ -134,6 +134,25 @@ def test_corpus_split_depends_only_on_the_document_id(tmp_path, monkeypatch):
     assert [d.id for d in full] == sorted(d.id for d in full)
 
 
+def test_text_corpus_split_does_not_move_with_the_corpus(tmp_path):
+    """Ids are paths relative to the pattern's directory: the same files in two places (absolute patterns,
+    one nested deeper) get the same ids and the same split; two patterns naming one id are refused."""
+    from pipeline import data
+
+    for where in ("a", "b/c"):
+        (tmp_path / where / "sub").mkdir(parents=True)
+        for i in range(30):
+            (tmp_path / where / ("sub" if i % 3 == 0 else "") / f"f{i:02d}.txt").write_text(f"text {i}\n")
+    splits = [[(d.id, d.held_out) for d in data.documents(
+        {"kind": "text", "paths": [str(tmp_path / where / "**" / "*.txt")], "held_out_fraction": 0.3})]
+        for where in ("a", "b/c")]
+    assert splits[0] == splits[1] and len(splits[0]) == 30
+    assert "sub/f00.txt" in dict(splits[0]), "ids keep the path below the pattern's directory"
+    assert 0 < sum(h for _, h in splits[0]) < 30
+    with pytest.raises(ValueError, match=r"both have the id 'f\d\d\.txt'"):
+        data.documents({"kind": "text", "paths": [str(tmp_path / "a" / "*.txt"), str(tmp_path / "b/c" / "*.txt")]})
+
+
 def test_text_corpus_reads_jsonl_and_cuts_a_single_file(tmp_path):
     from pipeline import data
 
