@@ -61,41 +61,54 @@ def _issue(w_desc, x_desc, sz_desc, xs_desc, bar, w_s, x_s, sz_s, xs_s, n0, g, G
 
 
 @gluon.jit
-def _load_a(w_smem, bars, g, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, wl: gl.constexpr,
-            a_l: gl.constexpr):
-    """Wait for group g's stage, then its weight words from shared memory into the fragment's registers."""
-    stage = g % STAGES
-    mbarrier.wait(bars.index(stage), (g // STAGES) & 1)
-    return _a_operand(w_smem.index(stage).load(wl), BLOCK_N, GROUP, a_l)
+def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g):
+    """One warp: each group's four TMA copies into its stage, once the consumers have released the stage.
+    (Worker partitions take no constexpr arguments: the sizes come from the descriptors and buffers.)"""
+    GROUP: gl.constexpr = x_desc.block_type.shape[1]
+    STAGES: gl.constexpr = w_smem.type.shape[0]
+    for g in range(n_g):
+        st = g % STAGES
+        mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1, pred=g >= STAGES)
+        _issue(w_desc, x_desc, sz_desc, xs_desc, full.index(st), w_smem.index(st), x_smem.index(st),
+               sz_smem.index(st), xs_smem.index(st), n0, g0 + g, GROUP, True)
 
 
 @gluon.jit
-def _retire(acc, part, g, n_g, g0, n0, w_desc, x_desc, sz_desc, xs_desc, bars, w_smem, x_smem, sz_smem, xs_smem,
-            GROUP: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-            sl_n: gl.constexpr, sl_m: gl.constexpr):
-    """Group g's product is complete: acc += s * (part - (z + 128) X), then its stage is refilled."""
-    ps = g % STAGES
-    sz = sz_smem.index(ps).reshape([BLOCK_N]).load(sl_n)
-    x_sum = xs_smem.index(ps).reshape([BLOCK_M]).load(sl_m)
-    s = (sz << 16).to(gl.float32, bitcast=True)
-    z = (sz & -65536).to(gl.float32, bitcast=True)
-    acc = acc + s[:, None] * (part - (z + 128.0)[:, None] * x_sum[None, :])
-    gl.thread_barrier()  # every warp is done with the stage (its product completed, its scale/zero/X read)
-    _issue(w_desc, x_desc, sz_desc, xs_desc, bars.index(ps), w_smem.index(ps), x_smem.index(ps),
-           sz_smem.index(ps), xs_smem.index(ps), n0, g0 + g + STAGES, GROUP, g + STAGES < n_g)
-    return acc
-
-
-@gluon.jit
-def _int4_mm_gluon(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
-                   GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
-                   STAGES: gl.constexpr):
+def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
     W: gl.constexpr = GROUP // 8
     wl: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
                                                   lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
                                                   warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, W])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    sl_n: gl.constexpr = gl.SliceLayout(1, mma)
+    sl_m: gl.constexpr = gl.SliceLayout(0, mma)
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+    for g in range(n_g):
+        st = g % STAGES
+        mbarrier.wait(full.index(st), (g // STAGES) & 1)
+        w = _a_operand(w_smem.index(st).load(wl), BLOCK_N, GROUP, a_l)
+        sz = sz_smem.index(st).reshape([BLOCK_N]).load(sl_n)
+        x_sum = xs_smem.index(st).reshape([2 * BLOCK_M]).slice(0, BLOCK_M).load(sl_m)
+        s = (sz << 16).to(gl.float32, bitcast=True)
+        zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
+        part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+        part, w = warpgroup_mma_wait(0, deps=(part, w))
+        # the product's completion means every warp issued it, so every warp's reads of the stage are done
+        mbarrier.arrive(empty.index(st), count=1)
+        acc = acc + s[:, None] * (part - zx)
+    return (acc,)  # (a partition returns a tuple)
+
+
+@gluon.jit
+def _int4_mm_gluon(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
+                   GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
+                   STAGES: gl.constexpr, REGS: gl.constexpr):
+    W: gl.constexpr = GROUP // 8
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     sl_n: gl.constexpr = gl.SliceLayout(1, mma)
     sl_m: gl.constexpr = gl.SliceLayout(0, mma)
 
@@ -108,24 +121,19 @@ def _int4_mm_gluon(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M, 
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], x_desc.layout)
     sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], sz_desc.layout)
-    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], xs_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 2 * BLOCK_M], xs_desc.layout)  # 128 B: TMA alignment
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    acc, = gl.warp_specialize([
+        (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+        (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g)),
+    ], [1], [REGS])
     for i in gl.static_range(STAGES):
-        _issue(w_desc, x_desc, sz_desc, xs_desc, bars.index(i), w_smem.index(i), x_smem.index(i), sz_smem.index(i),
-               xs_smem.index(i), n0, g0 + i, GROUP, i < n_g)
-
-    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    for g in range(n_g):
-        w = _load_a(w_smem, bars, g, STAGES, BLOCK_N, GROUP, wl, a_l)
-        part = warpgroup_mma(w, x_smem.index(g % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
-        part, w = warpgroup_mma_wait(0, deps=(part, w))
-        acc = _retire(acc, part, g, n_g, g0, n0, w_desc, x_desc, sz_desc, xs_desc, bars, w_smem, x_smem, sz_smem,
-                      xs_smem, GROUP, STAGES, BLOCK_N, BLOCK_M, sl_n, sl_m)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+        mbarrier.invalidate(full.index(i))
+        mbarrier.invalidate(empty.index(i))
 
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=sl_n)
     offs_m = gl.arange(0, BLOCK_M, layout=sl_m)
@@ -153,7 +161,7 @@ def layouts(block_n, group):
                 xs=gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
-def launch(x, packed, scale_zero, group, split, stages=6, block_n=64, maxnreg=None, out=None):
+def launch(x, packed, scale_zero, group, split, stages=4, block_n=64, maxnreg=80, out=None):
     M, K = x.shape
     N = packed.shape[0]
     assert K % (group * split) == 0 and (K // group // split) % 2 == 0 and N % block_n == 0 and M <= BLOCK_M
@@ -167,8 +175,8 @@ def launch(x, packed, scale_zero, group, split, stages=6, block_n=64, maxnreg=No
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [block_n, group // 8], lay["w"])
     x_desc = TensorDescriptor.from_tensor(xp, [BLOCK_M, group], lay["x"])
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // group, N), [1, block_n], lay["sz"])
-    xs_desc = TensorDescriptor.from_tensor(xs, [1, BLOCK_M], lay["xs"])
+    xs_desc = TensorDescriptor.from_tensor(xs, [1, 2 * BLOCK_M], lay["xs"])  # (a TMA destination is 128-B aligned)
     _int4_mm_gluon[(N // block_n, split)](w_desc, x_desc, sz_desc, xs_desc, y, ws, cnt, M, N, K, y.stride(0),
                                           GROUP=group, BLOCK_N=block_n, BLOCK_M=BLOCK_M, SPLIT_K=split,
-                                          STAGES=stages, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
+                                          STAGES=stages, REGS=maxnreg, num_warps=4, maxnreg=maxnreg)
     return y

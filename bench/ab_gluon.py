@@ -38,7 +38,7 @@ def main():
                 log("GLUON KERNEL WRONG")
                 json.dump(res, open(args.out, "w"), indent=1)
                 sys.exit(1)
-    variants = [("stages4", dict(stages=4)), ("stages6", dict(stages=6)), ("stages8", dict(stages=8))]
+    variants = [("ws_s4_r80", dict(stages=4, maxnreg=80)), ("ws_s6_r80", dict(stages=6, maxnreg=80)), ("ws_s4_r96", dict(stages=4, maxnreg=96))]
     for K, N in GEMM_SHAPES:
         cfg = G.CONFIGS[(K, N, 128)]
         split = cfg[2]  # (every shipped split leaves an even number of groups per slice)
