@@ -21,15 +21,16 @@ BLOCK_M = 16
 
 
 @triton.jit
-def _prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+def _prep_kernel(x_ptr, xp_ptr, xs_ptr, M, M_OUT, K, stride_xm, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """xp rows 0..M_OUT-1 (rows past M written as zeros, so TMA never reads past the tensor), xs [K/g, 32]."""
     g = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     cols = tl.arange(0, GROUP)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + g * GROUP + cols[None, :], mask=m_ok[:, None], other=0.0)
-    tl.store(xs_ptr + g * BLOCK_M + offs_m, tl.sum(x.to(tl.float32), axis=1))
+    tl.store(xs_ptr + g * 2 * BLOCK_M + offs_m, tl.sum(x.to(tl.float32), axis=1))
     x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, 4, GROUP // 32, 2, 4)), (0, 2, 4, 1, 3)), (BLOCK_M, GROUP))
-    tl.store(xp_ptr + offs_m[:, None] * K + g * GROUP + cols[None, :], x, mask=m_ok[:, None])
+    tl.store(xp_ptr + offs_m[:, None] * K + g * GROUP + cols[None, :], x, mask=(offs_m < M_OUT)[:, None])
 
 
 @gluon.jit
@@ -92,7 +93,7 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
         mbarrier.wait(full.index(st), (g // STAGES) & 1)
         w = _a_operand(w_smem.index(st).load(wl), BLOCK_N, GROUP, a_l)
         sz = sz_smem.index(st).reshape([BLOCK_N]).load(sl_n)
-        x_sum = xs_smem.index(st).reshape([2 * BLOCK_M]).slice(0, BLOCK_M).load(sl_m)
+        x_sum = xs_smem.index(st).reshape([32]).slice(0, BLOCK_M).load(sl_m)
         s = (sz << 16).to(gl.float32, bitcast=True)
         zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
         part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -121,7 +122,7 @@ def _int4_mm_gluon(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M, 
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], x_desc.layout)
     sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], sz_desc.layout)
-    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 2 * BLOCK_M], xs_desc.layout)  # 128 B: TMA alignment
+    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 32], xs_desc.layout)  # 128 B: TMA alignment
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -154,29 +155,32 @@ def _int4_mm_gluon(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M, 
             gl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
-def layouts(block_n, group):
+def layouts(block_n, block_m, group):
     return dict(w=gl.NVMMASharedLayout.get_default_for([block_n, group // 8], gl.int32),
-                x=gl.NVMMASharedLayout.get_default_for([BLOCK_M, group], gl.bfloat16),
+                x=gl.NVMMASharedLayout.get_default_for([block_m, group], gl.bfloat16),
                 sz=gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
                 xs=gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
-def launch(x, packed, scale_zero, group, split, stages=4, block_n=64, maxnreg=80, out=None):
+def launch(x, packed, scale_zero, group, split, stages=4, block_n=64, maxnreg=80, block_m=None, pad=True, out=None):
+    """block_m: the product's width (8 or 16; default the smallest >= M); pad: x padded to block_m rows."""
     M, K = x.shape
     N = packed.shape[0]
-    assert K % (group * split) == 0 and (K // group // split) % 2 == 0 and N % block_n == 0 and M <= BLOCK_M
+    block_m = block_m or (8 if M <= 8 else 16)
+    assert K % (group * split) == 0 and (K // group // split) % 2 == 0 and N % block_n == 0 and M <= block_m
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
-    xp = torch.empty((M, K), dtype=x.dtype, device=x.device)
-    xs = torch.empty((K // group, BLOCK_M), dtype=torch.float32, device=x.device)
+    m_out = block_m if pad else M
+    xp = torch.empty((m_out, K), dtype=x.dtype, device=x.device)
+    xs = torch.empty((K // group, 32), dtype=torch.float32, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = G.counters(x.device)
-    _prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=BLOCK_M, num_warps=4)
-    lay = layouts(block_n, group)
+    _prep_kernel[(K // group,)](x, xp, xs, M, m_out, K, x.stride(0), GROUP=group, BLOCK_M=BLOCK_M, num_warps=4)
+    lay = layouts(block_n, block_m, group)
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [block_n, group // 8], lay["w"])
-    x_desc = TensorDescriptor.from_tensor(xp, [BLOCK_M, group], lay["x"])
+    x_desc = TensorDescriptor.from_tensor(xp, [block_m, group], lay["x"])
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // group, N), [1, block_n], lay["sz"])
-    xs_desc = TensorDescriptor.from_tensor(xs, [1, 2 * BLOCK_M], lay["xs"])  # (a TMA destination is 128-B aligned)
+    xs_desc = TensorDescriptor.from_tensor(xs, [1, 32], lay["xs"])  # 128 B: a TMA destination is 128-byte aligned
     _int4_mm_gluon[(N // block_n, split)](w_desc, x_desc, sz_desc, xs_desc, y, ws, cnt, M, N, K, y.stride(0),
-                                          GROUP=group, BLOCK_N=block_n, BLOCK_M=BLOCK_M, SPLIT_K=split,
+                                          GROUP=group, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT_K=split,
                                           STAGES=stages, REGS=maxnreg, num_warps=4, maxnreg=maxnreg)
     return y

@@ -38,7 +38,8 @@ def main():
                 log("GLUON KERNEL WRONG")
                 json.dump(res, open(args.out, "w"), indent=1)
                 sys.exit(1)
-    variants = [("ws_s4_r80", dict(stages=4, maxnreg=80)), ("ws_s6_r80", dict(stages=6, maxnreg=80)), ("ws_s4_r96", dict(stages=4, maxnreg=96))]
+    variants = [("m8_pad_s4", dict(stages=4)), ("m8_pad_s6", dict(stages=6)), ("m8_oob_s4", dict(stages=4, pad=False)),
+                ("m16_pad_s4", dict(stages=4, block_m=16))]
     for K, N in GEMM_SHAPES:
         cfg = G.CONFIGS[(K, N, 128)]
         split = cfg[2]  # (every shipped split leaves an even number of groups per slice)
