@@ -75,8 +75,22 @@ def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_
 
 
 @gluon.jit
+def _stage_in(full, w_smem, sz_smem, xs_smem, g, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+              GROUP: gl.constexpr, wl: gl.constexpr, a_l: gl.constexpr, sl_n: gl.constexpr, sl_m: gl.constexpr):
+    """Wait for group g's stage; its weights into the fragment, its scale s and (z + 128) X."""
+    st = g % STAGES
+    mbarrier.wait(full.index(st), (g // STAGES) & 1)
+    w = _a_operand(w_smem.index(st).load(wl), BLOCK_N, GROUP, a_l)
+    sz = sz_smem.index(st).reshape([BLOCK_N]).load(sl_n)
+    x_sum = xs_smem.index(st).reshape([32]).slice(0, BLOCK_M).load(sl_m)
+    s = (sz << 16).to(gl.float32, bitcast=True)
+    zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
+    return w, s, zx
+
+
+@gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ASYNC: gl.constexpr):
     """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
     W: gl.constexpr = GROUP // 8
     wl: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
@@ -88,26 +102,50 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
     sl_m: gl.constexpr = gl.SliceLayout(0, mma)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    for g in range(n_g):
-        st = g % STAGES
-        mbarrier.wait(full.index(st), (g // STAGES) & 1)
-        w = _a_operand(w_smem.index(st).load(wl), BLOCK_N, GROUP, a_l)
-        sz = sz_smem.index(st).reshape([BLOCK_N]).load(sl_n)
-        x_sum = xs_smem.index(st).reshape([32]).slice(0, BLOCK_M).load(sl_m)
-        s = (sz << 16).to(gl.float32, bitcast=True)
-        zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
-        part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-        part, w = warpgroup_mma_wait(0, deps=(part, w))
-        # the product's completion means every warp issued it, so every warp's reads of the stage are done
-        mbarrier.arrive(empty.index(st), count=1)
-        acc = acc + s[:, None] * (part - zx)
+    if ASYNC:
+        # each group's product stays in flight while the next group is loaded, unpacked and issued; two
+        # alternating accumulators so that no register copy touches a product in flight
+        w_a, s_a, zx_a = _stage_in(full, w_smem, sz_smem, xs_smem, 0, STAGES, BLOCK_N, BLOCK_M, GROUP, wl, a_l, sl_n, sl_m)
+        p_a = warpgroup_mma(w_a, x_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        for g in range(1, n_g - 1, 2):
+            w_b, s_b, zx_b = _stage_in(full, w_smem, sz_smem, xs_smem, g, STAGES, BLOCK_N, BLOCK_M, GROUP, wl, a_l,
+                                       sl_n, sl_m)
+            p_b = warpgroup_mma(w_b, x_smem.index(g % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
+            d_a, w_a = warpgroup_mma_wait(1, deps=(p_a, w_a))
+            mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+            acc = acc + s_a[:, None] * (d_a - zx_a)
+            w_a, s_a, zx_a = _stage_in(full, w_smem, sz_smem, xs_smem, g + 1, STAGES, BLOCK_N, BLOCK_M, GROUP, wl, a_l,
+                                       sl_n, sl_m)
+            p_a = warpgroup_mma(w_a, x_smem.index((g + 1) % STAGES).permute((1, 0)), zero, use_acc=False,
+                                is_async=True)
+            d_b, w_b = warpgroup_mma_wait(1, deps=(p_b, w_b))
+            mbarrier.arrive(empty.index(g % STAGES), count=1)
+            acc = acc + s_b[:, None] * (d_b - zx_b)
+        w_b, s_b, zx_b = _stage_in(full, w_smem, sz_smem, xs_smem, n_g - 1, STAGES, BLOCK_N, BLOCK_M, GROUP, wl, a_l,
+                                   sl_n, sl_m)
+        p_b = warpgroup_mma(w_b, x_smem.index((n_g - 1) % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
+        d_a, w_a = warpgroup_mma_wait(1, deps=(p_a, w_a))
+        mbarrier.arrive(empty.index((n_g - 2) % STAGES), count=1)
+        acc = acc + s_a[:, None] * (d_a - zx_a)
+        d_b, w_b = warpgroup_mma_wait(0, deps=(p_b, w_b))
+        mbarrier.arrive(empty.index((n_g - 1) % STAGES), count=1)
+        acc = acc + s_b[:, None] * (d_b - zx_b)
+    else:
+        for g in range(n_g):
+            st = g % STAGES
+            w, s, zx = _stage_in(full, w_smem, sz_smem, xs_smem, g, STAGES, BLOCK_N, BLOCK_M, GROUP, wl, a_l, sl_n, sl_m)
+            part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part, w = warpgroup_mma_wait(0, deps=(part, w))
+            # the product's completion means every warp issued it, so every warp's reads of the stage are done
+            mbarrier.arrive(empty.index(st), count=1)
+            acc = acc + s[:, None] * (part - zx)
     return (acc,)  # (a partition returns a tuple)
 
 
 @gluon.jit
 def _int4_mm_gluon(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
                    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
-                   STAGES: gl.constexpr, REGS: gl.constexpr):
+                   STAGES: gl.constexpr, REGS: gl.constexpr, ASYNC: gl.constexpr):
     W: gl.constexpr = GROUP // 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     sl_n: gl.constexpr = gl.SliceLayout(1, mma)
@@ -129,7 +167,7 @@ def _int4_mm_gluon(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M, 
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     acc, = gl.warp_specialize([
-        (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+        (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M, ASYNC)),
         (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g)),
     ], [1], [REGS])
     for i in gl.static_range(STAGES):
@@ -162,7 +200,8 @@ def layouts(block_n, block_m, group):
                 xs=gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
-def launch(x, packed, scale_zero, group, split, stages=4, block_n=64, maxnreg=80, block_m=None, pad=True, out=None):
+def launch(x, packed, scale_zero, group, split, stages=4, block_n=64, maxnreg=64, block_m=None, pad=True,
+           asynchronous=False, out=None):
     """block_m: the product's width (8 or 16; default the smallest >= M); pad: x padded to block_m rows."""
     M, K = x.shape
     N = packed.shape[0]
@@ -182,5 +221,5 @@ def launch(x, packed, scale_zero, group, split, stages=4, block_n=64, maxnreg=80
     xs_desc = TensorDescriptor.from_tensor(xs, [1, 32], lay["xs"])  # 128 B: a TMA destination is 128-byte aligned
     _int4_mm_gluon[(N // block_n, split)](w_desc, x_desc, sz_desc, xs_desc, y, ws, cnt, M, N, K, y.stride(0),
                                           GROUP=group, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT_K=split,
-                                          STAGES=stages, REGS=maxnreg, num_warps=4, maxnreg=maxnreg)
+                                          STAGES=stages, REGS=maxnreg, ASYNC=asynchronous, num_warps=4, maxnreg=maxnreg)
     return y

@@ -38,8 +38,8 @@ def main():
                 log("GLUON KERNEL WRONG")
                 json.dump(res, open(args.out, "w"), indent=1)
                 sys.exit(1)
-    variants = [("m8_pad_s4", dict(stages=4)), ("m8_pad_s6", dict(stages=6)), ("m8_oob_s4", dict(stages=4, pad=False)),
-                ("m16_pad_s4", dict(stages=4, block_m=16))]
+    variants = [("r64_s4", dict(stages=4, maxnreg=64)), ("r64_s3", dict(stages=3, maxnreg=64)),
+                ("r64_s6", dict(stages=6, maxnreg=64)), ("r80_s4", dict(stages=4, maxnreg=80))]
     for K, N in GEMM_SHAPES:
         cfg = G.CONFIGS[(K, N, 128)]
         split = cfg[2]  # (every shipped split leaves an even number of groups per slice)
