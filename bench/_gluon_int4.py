@@ -206,7 +206,8 @@ def launch(x, packed, scale_zero, group, split, stages=4, block_n=64, maxnreg=64
     M, K = x.shape
     N = packed.shape[0]
     block_m = block_m or (8 if M <= 8 else 16)
-    assert K % (group * split) == 0 and (K // group // split) % 2 == 0 and N % block_n == 0 and M <= block_m
+    n_g = K // group // split
+    assert K % (group * split) == 0 and n_g >= 2 and (n_g % 2 == 0 or not asynchronous) and N % block_n == 0 and M <= block_m
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     m_out = block_m if pad else M
     xp = torch.empty((m_out, K), dtype=x.dtype, device=x.device)

@@ -21,7 +21,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tune", action="store_true", help="time every split of K for the Gluon kernel instead")
     args = ap.parse_args()
+    if args.tune:
+        return tune(args)
     res = {"check": [], "ab": {}}
     torch.manual_seed(0)
     for K, N, split in [(1024, 256, 1), (2048, 512, 2), (4096, 1024, 4), (8192, 28672, 2)]:
@@ -64,6 +67,37 @@ def main():
                 ", ".join(f"{n} {v:.1f} ({v / base:.3f})" for n, v in row[M].items()))
         res["ab"][f"{K}x{N}"] = dict(config=cfg, gluon_split=split, **{str(m): v for m, v in row.items()})
         del ops
+        torch.cuda.empty_cache()
+        if args.out:
+            json.dump(res, open(args.out, "w"), indent=1)
+
+
+def tune(args):
+    """Per shape: the Gluon kernel (64 registers, 4 stages) at every split of K's groups up to 16 (>= 2 groups per
+    slice), M = 1 and 8; the best by the worse of the two, then 56 registers and 3 stages at that split; and the
+    shipped kernel once for reference."""
+    from bench.kernels import MODEL_SHAPES
+    res = {}
+    for K, N in GEMM_SHAPES + MODEL_SHAPES:
+        copies = copies_for(N * K / 2)
+        ops = gemm_operands(K, N, 128, copies)
+        xs = {M: [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)] for M in (1, 8)}
+
+        def t(f):
+            return [time_calls([lambda i=i, M=M: f(xs[M][i], i) for i in range(copies)], reps=10) for M in (1, 8)]
+        cfg = G.CONFIGS[(K, N, 128)]
+        rows = {"shipped": t(lambda x, i: G.launch_int4_mm(x, *ops[i], 128, cfg))}
+        ng = K // 128
+        for split in [s for s in range(1, 17) if ng % s == 0 and ng // s >= 2]:
+            rows[f"split{split}"] = t(lambda x, i, s=split: GL.launch(x, *ops[i], 128, s))
+        best = min((k for k in rows if k.startswith("split")), key=lambda k: max(rows[k]))
+        split = int(best[5:])
+        rows[f"split{split}_r56"] = t(lambda x, i: GL.launch(x, *ops[i], 128, split, maxnreg=56))
+        rows[f"split{split}_s3"] = t(lambda x, i: GL.launch(x, *ops[i], 128, split, stages=3))
+        res[f"{K}x{N}"] = dict(best=best, rows=rows)
+        log(f"tune {K}x{N}: shipped {max(rows['shipped']):.1f}, best {best} {max(rows[best]):.1f} us; " +
+            ", ".join(f"{k} {max(v):.1f}" for k, v in rows.items() if k not in ("shipped", best)))
+        del ops, xs
         torch.cuda.empty_cache()
         if args.out:
             json.dump(res, open(args.out, "w"), indent=1)
