@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels import int4_gluon
 from kernels._jit import TUNED_SMS, compiled, lazy_jit, sm_count
 
 BLOCK_M = 16  # activation rows per launch (the tensor-core minimum); M <= BLOCK_M
@@ -259,18 +260,24 @@ def counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> torch.Tensor:
-    """Launch the two kernels (no op registration): x [M, K] bf16, M <= 16 -> y [M, N] bf16."""
+def _check(x, packed, scale_zero, group: int) -> None:
     M, K = x.shape
     N = packed.shape[0]
     if M > BLOCK_M:
         raise ValueError(f"int4_mm takes M <= {BLOCK_M} rows; got {M} (use the dense path)")
-    block_n, block_k, split, warps, stages, *max_regs = config or pick_config(N, K, group, sm_count(x.device))
-    if K % (split * block_k) or block_k % group:
-        raise ValueError(f"config {config} does not tile K={K} with group {group}")
     if scale_zero.shape != (K // group, N, 2) or scale_zero.dtype != torch.bfloat16 or not scale_zero.is_contiguous():
         raise ValueError(f"scale_zero must be contiguous bfloat16 [K/g, N, 2] = [{K // group}, {N}, 2]; got "
                          f"{scale_zero.dtype} {list(scale_zero.shape)} (contiguous: {scale_zero.is_contiguous()})")
+
+
+def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> torch.Tensor:
+    """Launch the two kernels (no op registration): x [M, K] bf16, M <= 16 -> y [M, N] bf16."""
+    M, K = x.shape
+    N = packed.shape[0]
+    _check(x, packed, scale_zero, group)
+    block_n, block_k, split, warps, stages, *max_regs = config or pick_config(N, K, group, sm_count(x.device))
+    if K % (split * block_k) or block_k % group:
+        raise ValueError(f"config {config} does not tile K={K} with group {group}")
     grid = (triton.cdiv(N, block_n), split)
     if grid[0] > _MAX_TILES:
         raise ValueError(f"N={N} needs {grid[0]} column tiles; the counter buffer has {_MAX_TILES}")
@@ -293,8 +300,14 @@ def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> 
 
 @torch.library.triton_op("eagle3::int4_mm", mutates_args=())
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] -> [M, N] bf16."""
-    return launch_int4_mm(x.contiguous(), packed, scale_zero, group)
+    """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] -> [M, N] bf16. On a Hopper GPU the large shapes
+    take the warp-specialised Gluon kernel (kernels/int4_gluon.py), the rest the Triton kernel above."""
+    x = x.contiguous()
+    config = int4_gluon.pick(x.shape[1], packed.shape[0], group, x.device) if int4_gluon.usable(x) else None
+    if config is None:
+        return launch_int4_mm(x, packed, scale_zero, group)
+    _check(x, packed, scale_zero, group)
+    return int4_gluon.launch(x, packed, scale_zero, config, counters(x.device))
 
 
 @int4_mm.register_fake

@@ -140,3 +140,48 @@ def test_gpu_kernel_matches_reference(seed, group):
             G.launch_int4_mm(x, packed, scale_zero, group, config, out=out)
             assert not out.isnan().any(), f"unwritten outputs M={M} {config} seed {seed}"
             assert rel_err(out, reference64(x, packed, scale_zero, group)) < 4e-3, f"M={M} {config} seed {seed}"
+
+
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.parametrize("K,N,expected", [
+    (8192, 28672, (1, 4, 64)),   # tuned: 448 column tiles, K unsplit
+    (21504, 5376, (6, 4, 64)),   # tuned
+    (4096, 4096, None),          # the Triton kernel was faster on it: left there
+    (8192, 8192, (4, 4, 64)),    # untuned, 64M weights: 128 tiles need 4 slices of 16 groups for 3.5 per SM
+    (4096, 16384, (1, 4, 64)),   # untuned: 256 tiles >= 1.5 per SM (198), unsplit
+    (4096, 12288, (4, 4, 64)),   # untuned: 192 tiles < 198; 3 slices (576) would do but 3 does not divide 32 groups
+    (4096, 8192 + 32, None),     # N not a multiple of 64
+])
+def test_gluon_path_is_picked_for_large_group_128_shapes(K, N, expected):
+    from kernels import int4_gluon
+    assert int4_gluon.pick(K, N, 128, torch.device("cpu")) == expected
+    assert int4_gluon.pick(K, N, 32, torch.device("cpu")) is None, "group 32 stays on the Triton kernel"
+
+
+def test_cpu_tensors_never_take_the_gluon_path():
+    from kernels import int4_gluon
+    assert not int4_gluon.usable(torch.randn(2, 128).to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (TMA, wgmma)")
+@pytest.mark.parametrize("K,N,config", [(4096, 1024, (1, 4, 64)), (4096, 1024, (4, 3, 64)), (3072, 512, (3, 6, 64)),
+                                        (8192, 8192, None)])
+def test_gpu_gluon_kernel_matches_reference(seed, K, N, config):
+    """Every M in 1..16 (the 8- and 16-wide products), split-K with whole and partial waves; None: the op's own
+    choice, which must be this path for a large shape."""
+    from kernels import int4_gluon
+    packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K), 128))
+    if config is None:
+        assert int4_gluon.pick(K, N, 128, torch.device("cuda")) is not None
+    for M in range(1, 17):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        if config is None:
+            out = G.int4_mm(x, packed, scale_zero, 128)
+        else:
+            out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            int4_gluon.launch(x, packed, scale_zero, config, G.counters(x.device), out=out)
+        assert not out.isnan().any(), f"unwritten outputs M={M} {config} seed {seed}"
+        assert rel_err(out, reference64(x, packed, scale_zero, 128)) < 4e-3, f"M={M} {config} seed {seed}"
+    assert not G.counters(torch.device("cuda")).any(), "split-K arrival counters must be reset"
