@@ -9,7 +9,8 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
   both ops replayed from a CUDA graph (programmatic dependent launch inside a graph) against eager calls;
 - tune (--tune): a few launch configurations per GEMM shape and for SDPA, timed at M = 1 and 8; the
   winners are installed in kernels.int4_gemm.CONFIGS / kernels.sdpa_midm.CONFIG for the rest of the run
-  and written to the JSON (copy them into the code);
+  and written to the JSON (copy them into the code); on Hopper also every split for kernels/int4_gluon.py,
+  whose CONFIGS get the shapes where it beats the Triton kernel by more than 3% (None for the others);
 - gemm: K x N in the issue's shapes, M = 1..8: ours (group 128), torch `_weight_int4pack_mm` (group 128),
   bf16 cuBLAS (F.linear), and the floor = (packed weights + scales/zeros + x + y) bytes / copy bandwidth;
 - sdpa: L in {4096, 32768, 131072}, M = 1..8, Hq 32 / Hkv 8 / D 128: ours, torch SDPA with the same bool
@@ -333,7 +334,7 @@ GEMM_CANDIDATES = [
 
 def section_tune():
     bw = RESULTS["env"]["copy_bw"]
-    table, detail = {}, {}
+    table, detail, gluon_table = {}, {}, {}
     for K, N in GEMM_SHAPES + MODEL_SHAPES:
         copies = copies_for(N * K / 2)
         ops = gemm_operands(K, N, 128, copies)
@@ -372,10 +373,24 @@ def section_tune():
                 [lambda i=i: G.launch_int4_mm(xs[1][i], *ops[i], 128, best[1]) for i in range(copies)], reps=10)
             G.USE_PDL = True
             log(f"   without PDL at M=1: {detail[f'{K}x{N}']['no_pdl_us_m1']:.1f} us")
+        if int4_gluon.usable(xs[1][0]):  # the Gluon path: every split at 4 stages, 64 registers
+            groups, rows_gl = K // int4_gluon.GROUP, {}
+            for split in [d for d in range(1, int4_gluon.MAX_SPLIT + 1) if groups % d == 0 and groups // d >= 2]:
+                rows_gl[split] = [time_calls([lambda i=i, M=M, c=(split, 4, 64): int4_gluon.launch(
+                    xs[M][i], *ops[i], c, G.counters(xs[M][i].device)) for i in range(copies)], reps=10) for M in (1, 8)]
+            split = min(rows_gl, key=lambda d: max(rows_gl[d]))
+            # the shape takes this path where it beats the Triton kernel's best by more than 3%
+            gluon_table[(K, N)] = (split, 4, 64) if max(rows_gl[split]) < 0.97 * best[0] else None
+            detail[f"{K}x{N}"]["gluon"] = dict(rows={str(d): v for d, v in rows_gl.items()}, best=(split, 4, 64),
+                                               best_us=max(rows_gl[split]), taken=gluon_table[(K, N)] is not None)
+            log(f"   gluon: best split {split} {max(rows_gl[split]):.1f} us -> "
+                f"{'gluon' if gluon_table[(K, N)] else 'triton'}")
         del ops, xs
         torch.cuda.empty_cache()
     G.CONFIGS.update(table)
-    RESULTS["tune"] = dict(gemm_configs={f"{k[0]},{k[1]},{k[2]}": v for k, v in table.items()}, gemm=detail)
+    int4_gluon.CONFIGS.update(gluon_table)
+    RESULTS["tune"] = dict(gemm_configs={f"{k[0]},{k[1]},{k[2]}": v for k, v in table.items()}, gemm=detail,
+                           gluon_configs={f"{k[0]},{k[1]}": v for k, v in gluon_table.items()})
     save()
     if not TUNE_SDPA:
         return

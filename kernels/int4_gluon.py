@@ -47,8 +47,9 @@ XS_WIDTH = 32  # floats per group in the X buffer (16 used): 128 bytes, the TMA 
 MAX_SPLIT = 16
 
 # (split, stages, registers) per (K, N), from the tune on the H200 (bench/NOTES.md, item 17; call 37), for the
-# shapes where this path beat kernels/int4_gemm.py; other shapes: `pick`.
-CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {
+# shapes where this path beat kernels/int4_gemm.py (None: a shape it did not; `bench.kernels --tune` redoes
+# it); other shapes: `pick`.
+CONFIGS: dict[tuple[int, int], tuple[int, int, int] | None] = {
     (4096, 14336): (1, 4, 64),
     (14336, 4096): (8, 4, 64),
     (5376, 21504): (1, 4, 64),
@@ -56,6 +57,7 @@ CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {
     (8192, 28672): (1, 4, 64),
     (4096, 128256): (1, 4, 64),  # Llama-3-8B lm_head
     (4096, 28672): (1, 4, 64),   # fused gate|up
+    (4096, 4096): None, (4096, 1024): None, (4096, 6144): None,
 }
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel (4096x6144 tied)
 
