@@ -321,6 +321,13 @@ def gemm_operands(K, N, group, copies):
     return ws
 
 
+def gemm_path(K, N) -> list:
+    """Which kernel `int4_mm` runs for the shape here, and its launch config."""
+    probe = torch.empty(1, device="cuda")
+    gluon = int4_gluon.pick(K, N, 128, probe.device) if int4_gluon.usable(probe) else None
+    return ["gluon", *gluon] if gluon else ["triton", *G.pick_config(N, K, 128)]
+
+
 def gemm_floor_bytes(M, K, N, group):
     return N * K / 2 + 2 * (K // group) * N * 2 + M * K * 2 + M * N * 2
 
@@ -376,8 +383,9 @@ def section_tune():
         if int4_gluon.usable(xs[1][0]):  # the Gluon path: every split at 4 stages, 64 registers
             groups, rows_gl = K // int4_gluon.GROUP, {}
             for split in [d for d in range(1, int4_gluon.MAX_SPLIT + 1) if groups % d == 0 and groups // d >= 2]:
+                cnt = G.counters(xs[1][0].device)
                 rows_gl[split] = [time_calls([lambda i=i, M=M, c=(split, 4, 64): int4_gluon.launch(
-                    xs[M][i], *ops[i], c, G.counters(xs[M][i].device)) for i in range(copies)], reps=10) for M in (1, 8)]
+                    xs[M][i], *ops[i], c, cnt) for i in range(copies)], reps=10) for M in (1, 8)]
             split = min(rows_gl, key=lambda d: max(rows_gl[d]))
             # the shape takes this path where it beats the Triton kernel's best by more than 3%
             gluon_table[(K, N)] = (split, 4, 64) if max(rows_gl[split]) < 0.97 * best[0] else None
@@ -437,7 +445,7 @@ def section_gemm():
             dense = time_calls([lambda i=i: F.linear(xs[i], wb[i]) for i in range(nb)])
             floor = gemm_floor_bytes(M, K, N, 128) / bw * 1e6
             row = dict(K=K, N=N, M=M, ours_us=ours, torch_int4_us=peer, bf16_us=dense, floor_us=floor,
-                       floor_frac=floor / ours, config=G.pick_config(N, K, 128))
+                       floor_frac=floor / ours, config=gemm_path(K, N))
             rows.append(row)
             log(f"gemm {K}x{N} M={M}: ours {ours:.1f} torch-int4 {peer:.1f} bf16 {dense:.1f} floor {floor:.1f} "
                 f"({floor / ours:.2f})")
