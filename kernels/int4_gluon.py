@@ -12,10 +12,10 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
   address arithmetic, no cp.async and no block-wide barrier: Triton's version spends two barriers per k-tile
   around its cp.async ring and plain loads for scale/zero/X whose latency it must hide by hand.
 - The weight words go from shared memory straight into the tensor-core fragment's registers: the words'
-  layout (`_WORDS`) is chosen so that the unpack, join and permutation produce exactly the wgmma A-operand
+  layout (`words` in `_consumer`) is chosen so that the unpack, join and permutation produce exactly the wgmma A-operand
   layout (checked at compile time: `convert_layout(..., assert_trivial=True)`).
 - 64 registers per thread (no spills): 6 programs per SM instead of Triton's 5, which the tune showed to be
-  what the time depends on (80 registers: slower than Triton everywhere; 64: faster on every large shape).
+  what the time depends on (80 registers: slower than Triton on every large shape; 64: faster on all).
 - The product is BLOCK_M = 8 wide for M <= 8 (wgmma n = 8; Triton's dot would fall back to mma.sync), with
   x padded to BLOCK_M rows by the prep kernel so that no TMA box reaches past the tensor.
 Each group's product is waited for before the next is issued: keeping it in flight (two alternating
@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -249,8 +248,8 @@ def launch(x, packed, scale_zero, config, counters, out=None) -> torch.Tensor:
     xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
     xs = torch.empty((K // GROUP, XS_WIDTH), dtype=torch.float32, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
-    _prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), GROUP=GROUP, BLOCK_M=16,
-                                    XS=XS_WIDTH, num_warps=4)
+    _prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), GROUP=GROUP, BLOCK_M=16, XS=XS_WIDTH,
+                                num_warps=4)
     shared = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP // 8], gl.int32))
