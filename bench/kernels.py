@@ -383,9 +383,8 @@ def section_tune():
         if int4_gluon.usable(xs[1][0]):  # the Gluon path: every split at 4 stages, 64 registers
             groups, rows_gl = K // int4_gluon.GROUP, {}
             for split in [d for d in range(1, int4_gluon.MAX_SPLIT + 1) if groups % d == 0 and groups // d >= 2]:
-                cnt = G.counters(xs[1][0].device)
                 rows_gl[split] = [time_calls([lambda i=i, M=M, c=(split, 4, 64): int4_gluon.launch(
-                    xs[M][i], *ops[i], c, cnt) for i in range(copies)], reps=10) for M in (1, 8)]
+                    xs[M][i], *ops[i], c) for i in range(copies)], reps=10) for M in (1, 8)]
             split = min(rows_gl, key=lambda d: max(rows_gl[d]))
             # the shape takes this path where it beats the Triton kernel's best by more than 3%
             gluon_table[(K, N)] = (split, 4, 64) if max(rows_gl[split]) < 0.97 * best[0] else None

@@ -85,10 +85,12 @@ def int4_mm_reference(x: torch.Tensor, packed, scale_zero, group: int) -> torch.
 
 # ----------------------------------------------------------------------------- kernel
 
-@lazy_jit(do_not_specialize=["M"])
-def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      PDL: tl.constexpr):
-    """One program per group of k: xp[:, group] = x[:, group] in the fragment order, xs[:, g] = its sum."""
+@lazy_jit(do_not_specialize=["M", "M_OUT"])
+def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, M_OUT, K, stride_xm, stride_xs_m, stride_xs_g,
+                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    """One program per group of k: xp[:M_OUT, group] = x[:, group] in the fragment order (rows >= M zero) and
+    xs[m, g] = its sum at m * stride_xs_m + g * stride_xs_g (this GEMM: [BLOCK_M, K/g]; int4_gluon's TMA boxes
+    want it group-major)."""
     if PDL:
         gdc_launch_dependents()  # the GEMM's programs may be scheduled now; they wait for this grid's writes
     g = tl.program_id(0)
@@ -96,11 +98,11 @@ def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexp
     m_ok = offs_m < M
     cols = tl.arange(0, GROUP)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + g * GROUP + cols[None, :], mask=m_ok[:, None], other=0.0)
-    tl.store(xs_ptr + offs_m * (K // GROUP) + g, tl.sum(x.to(tl.float32), axis=1))  # rows >= M: zeros
+    tl.store(xs_ptr + offs_m * stride_xs_m + g * stride_xs_g, tl.sum(x.to(tl.float32), axis=1))  # rows >= M: 0
     # The k order of _int4_mm_kernel's weight fragments: k = 8 (Q t + v) + s + 4 half (word Q t + v, shift s,
     # half 0 or 1 of the bf16 pair; Q = GROUP / 32) goes to position ((v * 4 + s) * 4 + t) * 2 + half.
     x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, 4, GROUP // 32, 2, 4)), (0, 2, 4, 1, 3)), (BLOCK_M, GROUP))
-    tl.store(xp_ptr + offs_m[:, None] * K + g * GROUP + cols[None, :], x, mask=m_ok[:, None])
+    tl.store(xp_ptr + offs_m[:, None] * K + g * GROUP + cols[None, :], x, mask=(offs_m < M_OUT)[:, None])
 
 
 @lazy_jit(do_not_specialize=["M"])  # one binary for every M (1 would be specialised)
@@ -287,8 +289,8 @@ def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> 
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = counters(x.device) if split > 1 else y
     pdl = USE_PDL and compiled()
-    _int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=BLOCK_M, PDL=pdl,
-                                     num_warps=4)
+    _int4_prep_kernel[(K // group,)](x, xp, xs, M, M, K, x.stride(0), K // group, 1, GROUP=group, BLOCK_M=BLOCK_M,
+                                     PDL=pdl, num_warps=4)
     sz = scale_zero.view(torch.int32)  # [K/g, N, 1]: one word per (group, column)
     _int4_mm_kernel[grid](xp, xs, packed, sz, y, ws, cnt, M, N, K, y.stride(0),
                           GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split,
@@ -307,7 +309,7 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, gro
     if config is None:
         return launch_int4_mm(x, packed, scale_zero, group)
     _check(x, packed, scale_zero, group)
-    return int4_gluon.launch(x, packed, scale_zero, config, counters(x.device))
+    return int4_gluon.launch(x, packed, scale_zero, config)
 
 
 @int4_mm.register_fake

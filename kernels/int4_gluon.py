@@ -21,8 +21,9 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
 Each group's product is waited for before the next is issued: keeping it in flight (two alternating
 accumulators, `warpgroup_mma_wait(1)`) compiles, but ptxas then serialises every wgmma (C7514).
 
-The prep kernel writes x in the fragment order and X[g, 0:16] = the group sums (rows >= M zero) in a
-[K/g, 32] float32 buffer: 128 bytes per group, because a TMA destination must be 128-byte aligned.
+int4_gemm's prep kernel writes x in the fragment order, padded to BLOCK_M rows, and X[g, 0:16] = the group
+sums (rows >= M zero) in a [K/g, 32] float32 buffer: 128 bytes per group, because a TMA destination must be
+128-byte aligned.
 Only on a Hopper GPU (TMA, wgmma), group 128, N % 64 == 0, and not while a graph is being traced
 (`usable`); everything else takes kernels/int4_gemm.py, which the CPU tests run under the interpreter.
 """
@@ -32,13 +33,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels._jit import TUNED_SMS, lazy_jit, sm_count
+from kernels._jit import TUNED_SMS, sm_count
 
 GROUP = 128
 BLOCK_N = 64
@@ -59,20 +59,6 @@ CONFIGS: dict[tuple[int, int], tuple[int, int, int] | None] = {
     (4096, 4096): None, (4096, 1024): None, (4096, 6144): None,
 }
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel (4096x6144 tied)
-
-
-@lazy_jit(do_not_specialize=["M"])
-def _prep_kernel(x_ptr, xp_ptr, xs_ptr, M, M_OUT, K, stride_xm, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 XS: tl.constexpr):
-    """One program per group: xp rows 0..M_OUT-1 in the fragment order (rows >= M zero), xs[g, :16] the sums."""
-    g = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, GROUP)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + g * GROUP + cols[None, :], mask=(offs_m < M)[:, None],
-                other=0.0)
-    tl.store(xs_ptr + g * XS + offs_m, tl.sum(x.to(tl.float32), axis=1))
-    x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, 4, GROUP // 32, 2, 4)), (0, 2, 4, 1, 3)), (BLOCK_M, GROUP))
-    tl.store(xp_ptr + offs_m[:, None] * K + g * GROUP + cols[None, :], x, mask=(offs_m < M_OUT)[:, None])
 
 
 @gluon.jit
@@ -233,8 +219,17 @@ def usable(x: torch.Tensor) -> bool:
     return _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
-def launch(x, packed, scale_zero, config, counters, out=None) -> torch.Tensor:
+@functools.cache
+def _shared_layouts(block_m: int) -> tuple:
+    """(weights, x, one-row words) shared-memory layouts of the TMA boxes."""
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP // 8], gl.int32),
+            gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.bfloat16),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+
+
+def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] (group 128) -> [M, N] bf16, on this path."""
+    from kernels.int4_gemm import _int4_prep_kernel, counters  # (int4_gemm imports this module for its dispatch)
     split, stages, regs = config
     M, K = x.shape
     N = packed.shape[0]
@@ -248,16 +243,14 @@ def launch(x, packed, scale_zero, config, counters, out=None) -> torch.Tensor:
     xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
     xs = torch.empty((K // GROUP, XS_WIDTH), dtype=torch.float32, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
-    _prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), GROUP=GROUP, BLOCK_M=16, XS=XS_WIDTH,
-                                num_warps=4)
-    shared = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8],
-                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP // 8], gl.int32))
-    x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP],
-                                          gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.bfloat16))
-    sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], shared)
-    xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH], shared)
-    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, y, ws, counters, M, N, K, y.stride(0),
-                                           GROUP=GROUP, BLOCK_N=BLOCK_N, BLOCK_M=block_m, SPLIT_K=split,
-                                           STAGES=stages, REGS=regs, num_warps=4, maxnreg=regs)
+    _int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH, GROUP=GROUP, BLOCK_M=16,
+                                     PDL=False, num_warps=4)
+    w_layout, x_layout, words = _shared_layouts(block_m)
+    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
+    x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
+    sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
+    xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH], words)
+    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, y, ws, counters(x.device), M, N, K,
+                                           y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
+                                           SPLIT_K=split, STAGES=stages, REGS=regs, num_warps=4, maxnreg=regs)
     return y
