@@ -186,27 +186,30 @@ def check_graph_replay():
     """Both ops captured in a CUDA graph (with PDL edges where enabled) give the eager result on new inputs."""
     out = RESULTS["check"]
     packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(5000, 4096, device="cuda"), 128))
+    wide = G.quantize_int4(torch.randn(14336, 4096, device="cuda"), 128)  # the Gluon path where usable
     x = torch.randn(8, 4096, device="cuda").to(torch.bfloat16)
     k, v = (torch.randn(1, 8, 9000, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
     q = torch.randn(1, 32, 8, 128, device="cuda").to(torch.bfloat16)
     q_pos = torch.arange(8000, 8008, device="cuda")
-    calls = lambda: (G.int4_mm(x, packed, scale_zero, 128), S.sdpa_midm(q, k, v, q_pos))
+    calls = lambda: (G.int4_mm(x, packed, scale_zero, 128), G.int4_mm(x, *wide, 128), S.sdpa_midm(q, k, v, q_pos))
     calls()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y_g, o_g = calls()
+        outs_g = calls()
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         q.copy_(torch.randn_like(q))
-        y_g.fill_(float("nan"))
-        o_g.fill_(float("nan"))
+        for o in outs_g:
+            o.fill_(float("nan"))
         g.replay()
-        y, o = calls()
+        outs = calls()
         torch.cuda.synchronize()
-        assert torch.equal(y_g, y) and torch.equal(o_g, o), "graph replay differs from the eager call"
-    out["graph_replay_pdl"] = dict(gemm=G.USE_PDL, sdpa=S.USE_PDL)
-    log(f"check graph replay: equal to eager (PDL gemm={G.USE_PDL} sdpa={S.USE_PDL})")
+        assert all(torch.equal(a, b) for a, b in zip(outs_g, outs)), "graph replay differs from the eager call"
+    out["graph_replay_pdl"] = dict(gemm=G.USE_PDL, sdpa=S.USE_PDL, gemm_paths=[gemm_path(4096, 5000),
+                                                                                gemm_path(4096, 14336)])
+    log(f"check graph replay: equal to eager (PDL gemm={G.USE_PDL} sdpa={S.USE_PDL}; GEMM paths "
+        f"{out['graph_replay_pdl']['gemm_paths']})")
     save()
 
 

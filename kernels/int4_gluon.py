@@ -16,6 +16,8 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
   layout (checked at compile time: `convert_layout(..., assert_trivial=True)`).
 - 64 registers per thread (no spills): 6 programs per SM instead of Triton's 5, which the tune showed to be
   what the time depends on (80 registers: slower than Triton on every large shape; 64: faster on all).
+- Under programmatic dependent launch (`int4_gemm.USE_PDL`) the programs start while the prep kernel runs and
+  issue their first ring of weight and scale/zero copies before waiting for it (0.4-0.8 us a call, item 18).
 - The product is BLOCK_M = 8 wide for M <= 8 (wgmma n = 8; Triton's dot would fall back to mma.sync), with
   x padded to BLOCK_M rows by the prep kernel so that no TMA box reaches past the tensor.
 Each group's product is waited for before the next is issued: keeping it in flight (two alternating
@@ -81,27 +83,45 @@ def _a_operand(wd, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, a_l: gl.constexpr
 
 
 @gluon.jit
-def _issue(w_desc, x_desc, sz_desc, xs_desc, bar, w_s, x_s, sz_s, xs_s, n0, g):
-    GROUP: gl.constexpr = x_desc.block_type.shape[1]
-    nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + sz_desc.block_type.nbytes
-                            + xs_desc.block_type.nbytes)
-    mbarrier.expect(bar, nbytes)
-    tma.async_copy_global_to_shared(w_desc, [n0, g * (GROUP // 8)], bar, w_s)
-    tma.async_copy_global_to_shared(x_desc, [0, g * GROUP], bar, x_s)
+def _gdc_wait():
+    """griddepcontrol.wait: the prep kernel's x and X are complete and visible past this point."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _issue_weights(w_desc, sz_desc, bar, w_s, sz_s, n0, g, nbytes: gl.constexpr):
+    mbarrier.expect(bar, nbytes)  # (all four copies of the stage: the barrier completes once x and X landed too)
+    tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
     tma.async_copy_global_to_shared(sz_desc, [g, n0], bar, sz_s)
+
+
+@gluon.jit
+def _issue_x(x_desc, xs_desc, bar, x_s, xs_s, g):
+    tma.async_copy_global_to_shared(x_desc, [0, g * x_desc.block_type.shape[1]], bar, x_s)
     tma.async_copy_global_to_shared(xs_desc, [g, 0], bar, xs_s)
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g):
+def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl):
     """One warp: each group's copies into its stage once the consumers released the stage's previous group.
+    The first ring's weights and scale/zero do not depend on the prep kernel, so they are issued before the
+    programmatic-dependency wait (`pdl`): their DRAM latency overlaps the prep kernel and this grid's launch.
     (Worker partitions take no constexpr arguments: the sizes come from the descriptors and buffers.)"""
     STAGES: gl.constexpr = w_smem.type.shape[0]
-    for g in range(n_g):
+    nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + sz_desc.block_type.nbytes
+                            + xs_desc.block_type.nbytes)
+    first = gl.minimum(n_g, STAGES)
+    for g in range(first):
+        _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
+    if pdl:
+        _gdc_wait()
+    for g in range(first):
+        _issue_x(x_desc, xs_desc, full.index(g), x_smem.index(g), xs_smem.index(g), g0 + g)
+    for g in range(first, n_g):
         st = g % STAGES
-        mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1, pred=g >= STAGES)
-        _issue(w_desc, x_desc, sz_desc, xs_desc, full.index(st), w_smem.index(st), x_smem.index(st),
-               sz_smem.index(st), xs_smem.index(st), n0, g0 + g)
+        mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
+        _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
+        _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
 
 
 @gluon.jit
@@ -138,7 +158,7 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 @gluon.jit
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
-                    STAGES: gl.constexpr, REGS: gl.constexpr):
+                    STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr):
     W: gl.constexpr = GROUP // 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     pid_n = gl.program_id(0)
@@ -158,7 +178,8 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M,
         mbarrier.init(empty.index(i), count=1)
     acc, = gl.warp_specialize([
         (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
-        (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g)),
+        (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
+                       PDL)),
     ], [1], [REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
@@ -229,7 +250,7 @@ def _shared_layouts(block_m: int) -> tuple:
 
 def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] (group 128) -> [M, N] bf16, on this path."""
-    from kernels.int4_gemm import _int4_prep_kernel, counters  # (int4_gemm imports this module for its dispatch)
+    from kernels import int4_gemm  # (int4_gemm imports this module for its dispatch)
     split, stages, regs = config
     M, K = x.shape
     N = packed.shape[0]
@@ -243,14 +264,16 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
     xs = torch.empty((K // GROUP, XS_WIDTH), dtype=torch.float32, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
-    _int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH, GROUP=GROUP, BLOCK_M=16,
-                                     PDL=False, num_warps=4)
+    pdl = int4_gemm.USE_PDL
+    int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH, GROUP=GROUP,
+                                               BLOCK_M=16, PDL=pdl, num_warps=4)
     w_layout, x_layout, words = _shared_layouts(block_m)
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
     x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
     xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH], words)
-    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, y, ws, counters(x.device), M, N, K,
-                                           y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
-                                           SPLIT_K=split, STAGES=stages, REGS=regs, num_warps=4, maxnreg=regs)
+    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, y, ws, int4_gemm.counters(x.device), M,
+                                           N, K, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
+                                           SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl, num_warps=4,
+                                           maxnreg=regs, launch_pdl=pdl)
     return y
