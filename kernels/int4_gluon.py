@@ -9,8 +9,8 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
 - One producer warp issues four TMA copies per group of k (the weight words [64, g/8], x [BLOCK_M, g], the
   scale/zero words [1, 64] and the group sums X) into a ring of shared-memory stages, each with a `full`
   mbarrier (TMA completion) and an `empty` one (released by the consumers). The consumer warpgroup runs no
-  address arithmetic, no cp.async and no block-wide barrier: Triton's version spends two barriers per k-tile
-  around its cp.async ring and plain loads for scale/zero/X whose latency it must hide by hand.
+  address arithmetic, no cp.async and one barrier of its own 128 threads per group (the compiler's, before the
+  release arrive): Triton's version spends two block-wide barriers per k-tile around its cp.async ring and plain loads for scale/zero/X whose latency it must hide by hand.
 - The weight words go from shared memory straight into the tensor-core fragment's registers: the words'
   layout (`words` in `_consumer`) is chosen so that the unpack, join and permutation produce exactly the wgmma A-operand
   layout (checked at compile time: `convert_layout(..., assert_trivial=True)`).
