@@ -10,12 +10,12 @@ from kernels import int4_gemm as G
 from kernels import int4_gluon
 
 out = {}
-for K, N in [(8192, 28672), (5376, 21504), (4096, 14336), (4096, 28672), (14336, 4096), (21504, 5376)]:
+for K, N in [(8192, 28672), (5376, 21504), (4096, 14336), (4096, 28672)]:
     copies = B.copies_for(N * K / 2)
     ops = B.gemm_operands(K, N, 128, copies)
     base = int4_gluon.pick(K, N, 128, torch.device("cuda"))
     n_g = K // 128
-    tails = [t for t in (2, 4, 6, 8, 12) if t * 4 < n_g // 2]
+    tails = [t for t in (1, 2, 4, 6) if t * 4 < n_g // 2]
     for M in (1, 8):
         xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
         ref = G.int4_mm_reference(xs[0], *ops[0], 128)

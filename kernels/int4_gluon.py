@@ -274,8 +274,16 @@ def _producer_dyn(w_desc, x_desc, sz_desc, xs_desc, full, empty, info, w_smem, x
         _issue_x(x_desc, xs_desc, full.index(j), x_smem.index(j), xs_smem.index(j), first + j)
     it = ahead
     j0 = ahead
+    u_next = n_units
     while u < n_units:
+        # the next unit is claimed STAGES groups before this one's last copy is issued: late enough to follow
+        # the programs' progress, early enough that the claim's round trip hides behind the ring
+        claim_at = gl.maximum(count - STAGES, j0)
+        if claim_at >= count:
+            u_next = gl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") + gl.num_programs(0)
         for j in range(j0, count):
+            if j == claim_at:
+                u_next = gl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") + gl.num_programs(0)
             st = it % STAGES
             mbarrier.wait(empty.index(st), ((it // STAGES) - 1) & 1, pred=it >= STAGES)
             _put_info(info, st, u)
@@ -283,7 +291,7 @@ def _producer_dyn(w_desc, x_desc, sz_desc, xs_desc, full, empty, info, w_smem, x
                            first + j, nbytes)
             _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), first + j)
             it += 1
-        u = gl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") + gl.num_programs(0)
+        u = u_next
         tile, first, count, slot = _unit(u, tiles, n_g, tail, cg)
         j0 = 0
     st = it % STAGES
@@ -293,21 +301,20 @@ def _producer_dyn(w_desc, x_desc, sz_desc, xs_desc, full, empty, info, w_smem, x
 
 
 @gluon.jit
-def _consumer_dyn(full, empty, info, w_smem, x_smem, sz_smem, xs_smem, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym,
+def _consumer_dyn(full, empty, info, w_smem, x_smem, sz_smem, xs_smem, acc_smem, acc_info, acc_full, acc_empty,
                   tiles, n_g, tail, cg, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-    """One warpgroup: the units in the order the producer sends them; each unit's sum goes to its slot of the
-    workspace, and the last of a tile's 1 + tail units to arrive adds the slots in order into y."""
+    """One warpgroup: the units in the order the producer sends them; each unit's sum goes to one of two
+    shared-memory buffers for the epilogue warp, so the arrival round trip never stalls the products."""
     W: gl.constexpr = GROUP // 8
-    STAGES: gl.constexpr = w_smem.type.shape[0]
     words: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
                                                      lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
                                                      warp_bases=[[16, 0], [32, 0]], block_bases=[],
                                                      shape=[BLOCK_N, W])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-    slots = 1 + tail
+    STAGES: gl.constexpr = w_smem.type.shape[0]
     it = 0
+    k = 0
     mbarrier.wait(full.index(0), 0)
     u = _get_info(info, 0)
     while u >= 0:
@@ -316,22 +323,56 @@ def _consumer_dyn(full, empty, info, w_smem, x_smem, sz_smem, xs_smem, y_ptr, ws
         for j in range(count):
             acc = _group(acc, full, empty, w_smem, x_smem, sz_smem, xs_smem, it + j, words, a_l)
         it += count
-        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        b = k % 2
+        mbarrier.wait(acc_empty.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+        acc_smem.index(b).store(acc)
+        _put_info(acc_info, b, u)
+        mbarrier.arrive(acc_full.index(b), count=1)
+        k += 1
+        st = it % STAGES
+        mbarrier.wait(full.index(st), (it // STAGES) & 1)
+        u = _get_info(info, st)
+    b = k % 2
+    mbarrier.wait(acc_empty.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+    _put_info(acc_info, b, -1)
+    mbarrier.arrive(acc_full.index(b), count=1)
+    return (it,)
+
+
+@gluon.jit
+def _epilogue_dyn(acc_smem, acc_info, acc_full, acc_empty, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, tiles, n_g,
+                  tail, cg):
+    """One warp: each unit's sum into its slot of the workspace, its arrival on the tile's counter, and for the
+    last of a tile's 1 + tail units to arrive, the slots added in order into y."""
+    BLOCK_N: gl.constexpr = acc_smem.type.shape[1]
+    BLOCK_M: gl.constexpr = acc_smem.type.shape[2]
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32, BLOCK_M], [32, 1], [1, 1], [1, 0])  # n x m
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+    slots = 1 + tail
+    k = 0
+    b = 0
+    mbarrier.wait(acc_full.index(0), 0)
+    u = _get_info(acc_info, 0)
+    while u >= 0:
+        tile, first, count, slot = _unit(u, tiles, n_g, tail, cg)
+        acc = acc_smem.index(b).load(layout)
+        mbarrier.arrive(acc_empty.index(b), count=1)
+        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         ok = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         gl.store(ws_ptr + (slot * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=ok)
-        gl.thread_barrier()  # every thread's partial is issued before the (release) arrival below
+        gl.thread_barrier()  # every lane's partial is issued before the (release) arrival below
         arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == slots - 1:
-            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
             for s_idx in range(slots):
                 total += gl.load(ws_ptr + (s_idx * M + offs_m[None, :]) * N + offs_n[:, None], mask=ok,
                                  other=0.0, cache_modifier=".cg")
             gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total.to(gl.bfloat16), mask=ok)
             gl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
-        st = it % STAGES
-        mbarrier.wait(full.index(st), (it // STAGES) & 1)
-        u = _get_info(info, st)
-    return (it,)
+        k += 1
+        b = k % 2
+        mbarrier.wait(acc_full.index(b), (k // 2) & 1)
+        u = _get_info(acc_info, b)
 
 
 @gluon.jit
@@ -348,20 +389,33 @@ def _int4_mm_dyn_kernel(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr
     sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], sz_desc.layout)
     xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, xs_desc.block_type.shape[1]], xs_desc.layout)
     info = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 1], sz_desc.layout)
+    acc_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, BLOCK_M],
+                                         gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    acc_info = gl.allocate_shared_memory(gl.int32, [2, 1, 1], sz_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    acc_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(acc_full.index(i), count=1)
+        mbarrier.init(acc_empty.index(i), count=1)
     gl.warp_specialize([
-        (_consumer_dyn, (full, empty, info, w_smem, x_smem, sz_smem, xs_smem, y_ptr, ws_ptr, cnt_ptr, M, N,
-                         stride_ym, tiles, n_g, tail, CG, GROUP, BLOCK_N, BLOCK_M)),
+        (_consumer_dyn, (full, empty, info, w_smem, x_smem, sz_smem, xs_smem, acc_smem, acc_info, acc_full,
+                         acc_empty, tiles, n_g, tail, CG, GROUP, BLOCK_N, BLOCK_M)),
         (_producer_dyn, (w_desc, x_desc, sz_desc, xs_desc, full, empty, info, w_smem, x_smem, sz_smem, xs_smem,
                          queue_ptr, tiles, n_g, tail, CG, PDL)),
-    ], [1], [REGS])
+        (_epilogue_dyn, (acc_smem, acc_info, acc_full, acc_empty, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, tiles,
+                         n_g, tail, CG)),
+    ], [1, 1], [REGS, REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
         mbarrier.invalidate(empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(acc_full.index(i))
+        mbarrier.invalidate(acc_empty.index(i))
     # the last program out resets the queue for the next launch (whose programs read it only after the
     # dependency wait, so after this grid has completed)
     if gl.atomic_add(queue_ptr + 1, 1, sem="acq_rel", scope="gpu") == gl.num_programs(0) - 1:
