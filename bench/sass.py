@@ -84,26 +84,6 @@ def gluon(block_m, split, stages, regs):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=regs))
 
 
-def gluon_dyn(block_m, stages, regs):
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from kernels import int4_gluon as g
-    w_l, x_l, words = g._shared_layouts(block_m)
-    desc = lambda dtype, shape, layout: f"tensordesc<{dtype}{list(shape)},{layout!r}>"
-    sig = dict(w_desc=desc("i32", [g.BLOCK_N, g.GROUP // 8], w_l), x_desc=desc("bf16", [block_m, g.GROUP], x_l),
-               sz_desc=desc("i32", [1, g.BLOCK_N], words), xs_desc=desc("fp32", [1, g.XS_WIDTH], words),
-               y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", queue_ptr="*i32", M="i32", N="i32", K="i32",
-               stride_ym="i32", tail="i32")
-    const = dict(GROUP=g.GROUP, BLOCK_N=g.BLOCK_N, BLOCK_M=block_m, STAGES=stages, REGS=regs, PDL=True,
-                 CG=g.TAIL_CHUNK)
-    sig.update({k: "constexpr" for k in const})
-    names = list(sig)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("y_ptr", "ws_ptr", "cnt_ptr", "queue_ptr", "N",
-                                                                       "K", "stride_ym")}
-    src = GluonASTSource(fn=g._int4_mm_dyn_kernel, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=regs))
-
-
 def sdpa(block_r, block_n, warps, stages, G=4, m_pad=8, D=128):
     from kernels.sdpa_midm import _sdpa_split_kernel
     sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", pos_ptr="*i64", vlen_ptr="*i64", ml_ptr="*fp32",
@@ -121,7 +101,7 @@ def sdpa(block_r, block_n, warps, stages, G=4, m_pad=8, D=128):
 if __name__ == "__main__":
     what, *nums = sys.argv[1:]
     nums = [int(n) for n in nums]
-    k = {"int4": int4, "sdpa": sdpa, "gluon": gluon, "gluon_dyn": gluon_dyn}[what](*nums)
+    k = {"int4": int4, "sdpa": sdpa, "gluon": gluon}[what](*nums)
     r = report(k, f"{what}{nums}")
     for key, val in r.items():
         print(f"{key}: {val}")

@@ -137,33 +137,22 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
                                                      shape=[BLOCK_N, W])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     for g in range(n_g):
-        acc = _group(acc, full, empty, w_smem, x_smem, sz_smem, xs_smem, g, words, a_l)
+        st = g % STAGES
+        mbarrier.wait(full.index(st), (g // STAGES) & 1)
+        w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
+        sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
+        x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
+        s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
+        zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
+        part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+        part, w = warpgroup_mma_wait(0, deps=(part, w))
+        # the product is complete, so every warp has issued it and every warp's reads of the stage are done
+        mbarrier.arrive(empty.index(st), count=1)
+        acc = acc + s[:, None] * (part - zx)
     return (acc,)  # (a partition returns a tuple)
-
-
-@gluon.jit
-def _group(acc, full, empty, w_smem, x_smem, sz_smem, xs_smem, it, words: gl.constexpr, a_l: gl.constexpr):
-    """The it-th group through the ring: wait for its stage, product, release the stage, affine epilogue."""
-    STAGES: gl.constexpr = w_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = w_smem.type.shape[1]
-    GROUP: gl.constexpr = x_smem.type.shape[2]
-    BLOCK_M: gl.constexpr = x_smem.type.shape[1]
-    mma: gl.constexpr = a_l.parent
-    st = it % STAGES
-    mbarrier.wait(full.index(st), (it // STAGES) & 1)
-    w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
-    sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
-    x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
-    s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
-    zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
-    part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma),
-                         use_acc=False, is_async=True)
-    part, w = warpgroup_mma_wait(0, deps=(part, w))
-    # the product is complete, so every warp has issued it and every warp's reads of the stage are done
-    mbarrier.arrive(empty.index(st), count=1)
-    return acc + s[:, None] * (part - zx)
 
 
 @gluon.jit
@@ -216,213 +205,6 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M,
             gl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
 
 
-# ----------------------------------------------------------------------------- the balanced tail
-
-TAIL_CHUNK = 4  # groups per tail chunk
-
-
-@gluon.jit
-def _unit(u, tiles, n_g, tail, cg):
-    """Work unit u -> (column tile, first group, groups, partial slot). Units 0..tiles-1 are each tile's head
-    (all but its last `tail` chunks of cg groups), then chunk i of every tile in turn; the boundaries are fixed,
-    so the sum over a tile's slots in slot order is the same whichever program ran which unit."""
-    tile = u
-    first = 0
-    count = n_g - tail * cg
-    slot = 0
-    if u >= tiles:
-        tile = (u - tiles) % tiles
-        slot = 1 + (u - tiles) // tiles
-        first = n_g - (tail - slot + 1) * cg
-        count = cg
-    return tile, first, count, slot
-
-
-@gluon.jit
-def _put_info(info, st, value):
-    layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [gl.num_warps(), 1], [1, 0])
-    info.index(st).store(gl.full([1, 1], value, gl.int32, layout))
-
-
-@gluon.jit
-def _get_info(info, st):
-    layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [gl.num_warps(), 1], [1, 0])
-    return gl.max(gl.max(info.index(st).load(layout), axis=1), axis=0)
-
-
-@gluon.jit
-def _producer_dyn(w_desc, x_desc, sz_desc, xs_desc, full, empty, info, w_smem, x_smem, sz_smem, xs_smem,
-                  queue_ptr, tiles, n_g, tail, cg, pdl):
-    """One warp: the program's first unit (its tile's head; the first ring's weights before the dependency
-    wait, as in `_producer`), then units from the queue until it runs dry, then an exit mark (info -1). The
-    unit of every stage goes into `info` before the stage's barrier completes."""
-    STAGES: gl.constexpr = w_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = w_smem.type.shape[1]
-    nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + sz_desc.block_type.nbytes
-                            + xs_desc.block_type.nbytes)
-    n_units = tiles * (1 + tail)
-    u = gl.program_id(0)
-    tile, first, count, slot = _unit(u, tiles, n_g, tail, cg)
-    ahead = gl.minimum(count, STAGES)
-    for j in range(ahead):
-        _put_info(info, j, u)
-        _issue_weights(w_desc, sz_desc, full.index(j), w_smem.index(j), sz_smem.index(j), tile * BLOCK_N,
-                       first + j, nbytes)
-    if pdl:
-        _gdc_wait()
-    for j in range(ahead):
-        _issue_x(x_desc, xs_desc, full.index(j), x_smem.index(j), xs_smem.index(j), first + j)
-    it = ahead
-    j0 = ahead
-    u_next = n_units
-    while u < n_units:
-        # the next unit is claimed STAGES groups before this one's last copy is issued: late enough to follow
-        # the programs' progress, early enough that the claim's round trip hides behind the ring
-        claim_at = gl.maximum(count - STAGES, j0)
-        if claim_at >= count:
-            u_next = gl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") + gl.num_programs(0)
-        for j in range(j0, count):
-            if j == claim_at:
-                u_next = gl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu") + gl.num_programs(0)
-            st = it % STAGES
-            mbarrier.wait(empty.index(st), ((it // STAGES) - 1) & 1, pred=it >= STAGES)
-            _put_info(info, st, u)
-            _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), tile * BLOCK_N,
-                           first + j, nbytes)
-            _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), first + j)
-            it += 1
-        u = u_next
-        tile, first, count, slot = _unit(u, tiles, n_g, tail, cg)
-        j0 = 0
-    st = it % STAGES
-    mbarrier.wait(empty.index(st), ((it // STAGES) - 1) & 1, pred=it >= STAGES)
-    _put_info(info, st, -1)
-    mbarrier.arrive(full.index(st), count=1)
-
-
-@gluon.jit
-def _consumer_dyn(full, empty, info, w_smem, x_smem, sz_smem, xs_smem, acc_smem, acc_info, acc_full, acc_empty,
-                  tiles, n_g, tail, cg, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-    """One warpgroup: the units in the order the producer sends them; each unit's sum goes to one of two
-    shared-memory buffers for the epilogue warp, so the arrival round trip never stalls the products."""
-    W: gl.constexpr = GROUP // 8
-    words: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
-                                                     lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-                                                     warp_bases=[[16, 0], [32, 0]], block_bases=[],
-                                                     shape=[BLOCK_N, W])
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    STAGES: gl.constexpr = w_smem.type.shape[0]
-    it = 0
-    k = 0
-    mbarrier.wait(full.index(0), 0)
-    u = _get_info(info, 0)
-    while u >= 0:
-        tile, first, count, slot = _unit(u, tiles, n_g, tail, cg)
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-        for j in range(count):
-            acc = _group(acc, full, empty, w_smem, x_smem, sz_smem, xs_smem, it + j, words, a_l)
-        it += count
-        b = k % 2
-        mbarrier.wait(acc_empty.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
-        acc_smem.index(b).store(acc)
-        _put_info(acc_info, b, u)
-        mbarrier.arrive(acc_full.index(b), count=1)
-        k += 1
-        st = it % STAGES
-        mbarrier.wait(full.index(st), (it // STAGES) & 1)
-        u = _get_info(info, st)
-    b = k % 2
-    mbarrier.wait(acc_empty.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
-    _put_info(acc_info, b, -1)
-    mbarrier.arrive(acc_full.index(b), count=1)
-    return (it,)
-
-
-@gluon.jit
-def _epilogue_dyn(acc_smem, acc_info, acc_full, acc_empty, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, tiles, n_g,
-                  tail, cg):
-    """One warp: each unit's sum into its slot of the workspace, its arrival on the tile's counter, and for the
-    last of a tile's 1 + tail units to arrive, the slots added in order into y."""
-    BLOCK_N: gl.constexpr = acc_smem.type.shape[1]
-    BLOCK_M: gl.constexpr = acc_smem.type.shape[2]
-    layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32, BLOCK_M], [32, 1], [1, 1], [1, 0])  # n x m
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-    slots = 1 + tail
-    k = 0
-    b = 0
-    mbarrier.wait(acc_full.index(0), 0)
-    u = _get_info(acc_info, 0)
-    while u >= 0:
-        tile, first, count, slot = _unit(u, tiles, n_g, tail, cg)
-        acc = acc_smem.index(b).load(layout)
-        mbarrier.arrive(acc_empty.index(b), count=1)
-        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        ok = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        gl.store(ws_ptr + (slot * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=ok)
-        gl.thread_barrier()  # every lane's partial is issued before the (release) arrival below
-        arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == slots - 1:
-            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout)
-            for s_idx in range(slots):
-                total += gl.load(ws_ptr + (s_idx * M + offs_m[None, :]) * N + offs_n[:, None], mask=ok,
-                                 other=0.0, cache_modifier=".cg")
-            gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total.to(gl.bfloat16), mask=ok)
-            gl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
-        k += 1
-        b = k % 2
-        mbarrier.wait(acc_full.index(b), (k // 2) & 1)
-        u = _get_info(acc_info, b)
-
-
-@gluon.jit
-def _int4_mm_dyn_kernel(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, queue_ptr, M, N, K, stride_ym,
-                        tail, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                        STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, CG: gl.constexpr):
-    """K unsplit, one program per column tile, and the last `tail` chunks of CG groups of every tile shared out
-    through a queue to whichever programs finish their own head first (bench/NOTES.md, item 19)."""
-    W: gl.constexpr = GROUP // 8
-    tiles = N // BLOCK_N
-    n_g = K // GROUP
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], x_desc.layout)
-    sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], sz_desc.layout)
-    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, xs_desc.block_type.shape[1]], xs_desc.layout)
-    info = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 1], sz_desc.layout)
-    acc_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, BLOCK_M],
-                                         gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-    acc_info = gl.allocate_shared_memory(gl.int32, [2, 1, 1], sz_desc.layout)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    acc_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    acc_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(acc_full.index(i), count=1)
-        mbarrier.init(acc_empty.index(i), count=1)
-    gl.warp_specialize([
-        (_consumer_dyn, (full, empty, info, w_smem, x_smem, sz_smem, xs_smem, acc_smem, acc_info, acc_full,
-                         acc_empty, tiles, n_g, tail, CG, GROUP, BLOCK_N, BLOCK_M)),
-        (_producer_dyn, (w_desc, x_desc, sz_desc, xs_desc, full, empty, info, w_smem, x_smem, sz_smem, xs_smem,
-                         queue_ptr, tiles, n_g, tail, CG, PDL)),
-        (_epilogue_dyn, (acc_smem, acc_info, acc_full, acc_empty, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, tiles,
-                         n_g, tail, CG)),
-    ], [1, 1], [REGS, REGS])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(full.index(i))
-        mbarrier.invalidate(empty.index(i))
-    for i in gl.static_range(2):
-        mbarrier.invalidate(acc_full.index(i))
-        mbarrier.invalidate(acc_empty.index(i))
-    # the last program out resets the queue for the next launch (whose programs read it only after the
-    # dependency wait, so after this grid has completed)
-    if gl.atomic_add(queue_ptr + 1, 1, sem="acq_rel", scope="gpu") == gl.num_programs(0) - 1:
-        gl.atomic_xchg(queue_ptr, 0)
-        gl.atomic_xchg(queue_ptr + 1, 0)
-
-
 # ----------------------------------------------------------------------------- launch
 
 def default_config(K: int, N: int, sms: int = TUNED_SMS) -> tuple[int, int, int]:
@@ -466,37 +248,22 @@ def _shared_layouts(block_m: int) -> tuple:
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
-@functools.cache
-def queue(device: torch.device) -> torch.Tensor:
-    """Per-device work queue of the balanced tail: [next unit, programs done], zero between launches.
-    Allocate before graph capture."""
-    return torch.zeros(2, dtype=torch.int32, device=device)
-
-
 def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
-    """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] (group 128) -> [M, N] bf16, on this path.
-    config: (split, stages, registers[, tail]); tail > 0 (with split 1) shares each tile's last `tail` chunks
-    of TAIL_CHUNK groups out through the queue."""
+    """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] (group 128) -> [M, N] bf16, on this path."""
     from kernels import int4_gemm  # (int4_gemm imports this module for its dispatch)
-    split, stages, regs, *rest = config
-    tail = rest[0] if rest else 0
+    split, stages, regs = config
     M, K = x.shape
     N = packed.shape[0]
     n_g = K // GROUP // split if K % (GROUP * split) == 0 else 0
     if M > 16 or n_g < 1 or N % BLOCK_N:
         raise ValueError(f"int4_gluon: M={M} (<= 16), K={K} (split {split} into whole groups of {GROUP}) and "
                          f"N={N} (a multiple of {BLOCK_N}) do not fit")
-    if tail and (split != 1 or tail * TAIL_CHUNK >= n_g or N // BLOCK_N > int4_gemm._MAX_TILES):
-        raise ValueError(f"int4_gluon: a tail of {tail} chunks of {TAIL_CHUNK} groups needs K unsplit (split "
-                         f"{split}), more than {tail * TAIL_CHUNK} groups (K={K}) and at most "
-                         f"{int4_gemm._MAX_TILES} column tiles (N={N})")
     block_m = 8 if M <= 8 else 16
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
     xs = torch.empty((K // GROUP, XS_WIDTH), dtype=torch.float32, device=x.device)
-    slots = 1 + tail if tail else split
-    ws = torch.empty((slots * M, N), dtype=torch.float32, device=x.device) if slots > 1 else y
+    ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     pdl = int4_gemm.USE_PDL
     int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH, GROUP=GROUP,
                                                BLOCK_M=16, PDL=pdl, num_warps=4)
@@ -505,12 +272,8 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
     xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH], words)
-    common = dict(GROUP=GROUP, BLOCK_N=BLOCK_N, BLOCK_M=block_m, STAGES=stages, REGS=regs, PDL=pdl, num_warps=4,
-                  maxnreg=regs, launch_pdl=pdl)
-    if tail:
-        _int4_mm_dyn_kernel[(N // BLOCK_N,)](w_desc, x_desc, sz_desc, xs_desc, y, ws, int4_gemm.counters(x.device),
-                                             queue(x.device), M, N, K, y.stride(0), tail, CG=TAIL_CHUNK, **common)
-    else:
-        _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, y, ws, int4_gemm.counters(x.device),
-                                               M, N, K, y.stride(0), SPLIT_K=split, **common)
+    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, y, ws, int4_gemm.counters(x.device), M,
+                                           N, K, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
+                                           SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl, num_warps=4,
+                                           maxnreg=regs, launch_pdl=pdl)
     return y

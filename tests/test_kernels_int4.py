@@ -186,32 +186,3 @@ def test_gpu_gluon_kernel_matches_reference(seed, K, N, config):
         assert not out.isnan().any(), f"unwritten outputs M={M} {config} seed {seed}"
         assert rel_err(out, reference64(x, packed, scale_zero, 128)) < 4e-3, f"M={M} {config} seed {seed}"
     assert not G.counters(torch.device("cuda")).any(), "split-K arrival counters must be reset"
-
-
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (TMA, wgmma)")
-@pytest.mark.parametrize("K,N,tail", [(4096, 1024, 2), (3072, 512, 5), (2048, 2048, 1)])
-def test_gpu_gluon_balanced_tail_matches_reference_and_repeats_bitwise(seed, K, N, tail):
-    """The balanced tail (units handed out through a queue, so which program runs which chunk changes from
-    launch to launch): every M in 1..16 against the reference, ten launches bitwise equal (the fixed chunk
-    boundaries and the in-order sum of the slots), and the queue and counters reset for the next launch."""
-    from kernels import int4_gluon
-    packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K), 128))
-    for M in range(1, 17):
-        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-        int4_gluon.launch(x, packed, scale_zero, (1, 4, 64, tail), out=out)
-        assert not out.isnan().any(), f"unwritten outputs M={M} tail {tail} seed {seed}"
-        assert rel_err(out, reference64(x, packed, scale_zero, 128)) < 4e-3, f"M={M} tail {tail} seed {seed}"
-        if M in (1, 8, 16):
-            again = [int4_gluon.launch(x, packed, scale_zero, (1, 4, 64, tail)) for _ in range(10)]
-            assert all(torch.equal(a, out) for a in again), f"M={M} tail {tail}: launches differ"
-    assert not G.counters(torch.device("cuda")).any(), "arrival counters must be reset"
-    assert not int4_gluon.queue(torch.device("cuda")).any(), "the work queue must be reset"
-
-
-def test_balanced_tail_config_is_checked():
-    from kernels import int4_gluon
-    x = torch.randn(2, 1024).to(torch.bfloat16)
-    packed, scale_zero = G.quantize_int4(torch.randn(128, 1024), 128)
-    with pytest.raises(ValueError, match="tail of 2 chunks"):
-        int4_gluon.launch(x, packed, scale_zero, (1, 4, 64, 2))  # 8 groups: a tail of 8 leaves no head
