@@ -302,10 +302,12 @@ def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> 
 
 @torch.library.triton_op("eagle3::int4_mm", mutates_args=())
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] -> [M, N] bf16. On a Hopper GPU the large shapes
-    take the warp-specialised Gluon kernel (kernels/int4_gluon.py), the rest the Triton kernel above."""
+    """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] -> [M, N] bf16. On a Hopper GPU the shapes in
+    int4_gluon.CONFIGS (and untuned large ones) take the warp-specialised Gluon kernel (kernels/int4_gluon.py),
+    the rest the Triton kernel above."""
     x = x.contiguous()
-    config = int4_gluon.pick(x.shape[1], packed.shape[0], group, x.device) if int4_gluon.usable(x) else None
+    usable = int4_gluon.usable(x)
+    config = int4_gluon.pick(x.shape[1], packed.shape[0], group, x.device, x.shape[0]) if usable else None
     if config is None:
         return launch_int4_mm(x, packed, scale_zero, group)
     _check(x, packed, scale_zero, group)

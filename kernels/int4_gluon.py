@@ -1,4 +1,5 @@
-"""The INT4 small-M GEMM on Hopper, warp-specialised in Gluon: the path `int4_mm` takes for large weights.
+"""The INT4 small-M GEMM on Hopper, warp-specialised in Gluon: the path `int4_mm` takes for the shapes in CONFIGS
+and for untuned large weights.
 
 Same stored format and arithmetic as kernels/int4_gemm.py (read its docstring first): x in the fragment's k
 order, the per-group affine map applied to each group's product,
@@ -10,7 +11,8 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
   scale/zero words [1, 64] and the group sums X) into a ring of shared-memory stages, each with a `full`
   mbarrier (TMA completion) and an `empty` one (released by the consumers). The consumer warpgroup runs no
   address arithmetic, no cp.async and one barrier of its own 128 threads per group (the compiler's, before the
-  release arrive): Triton's version spends two block-wide barriers per k-tile around its cp.async ring and plain loads for scale/zero/X whose latency it must hide by hand.
+  release arrive): Triton's version spends two block-wide barriers per k-tile around its cp.async ring and
+  plain loads for scale/zero/X whose latency it must hide by hand.
 - The weight words go from shared memory straight into the tensor-core fragment's registers: the words'
   layout (`words` in `_consumer`) is chosen so that the unpack, join and permutation produce exactly the wgmma A-operand
   layout (checked at compile time: `convert_layout(..., assert_trivial=True)`).
@@ -20,13 +22,17 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
   issue their first ring of weight and scale/zero copies before waiting for it (0.4-0.8 us a call, item 18).
 - The product is BLOCK_M = 8 wide for M <= 8 (wgmma n = 8; Triton's dot would fall back to mma.sync), with
   x padded to BLOCK_M rows by the prep kernel so that no TMA box reaches past the tensor.
+- One launch on the small shapes (CONFIGS entries with an x_depth, item 21): the producer stages x itself
+  (cp.async of x in natural order x_depth groups ahead into a staging ring, then permuted in registers into
+  the stage with its sums: `_producer_x`), so no prep kernel runs. It saves about a launch where programs
+  have few groups and loses on long loops, where the one producer warp's per-group work sets the pace.
 Each group's product is waited for before the next is issued: keeping it in flight (two alternating
 accumulators, `warpgroup_mma_wait(1)`) compiles, but ptxas then serialises every wgmma (C7514).
 
 int4_gemm's prep kernel writes x in the fragment order, padded to BLOCK_M rows, and X[g, 0:16] = the group
 sums (rows >= M zero) in a [K/g, 32] float32 buffer: 128 bytes per group, because a TMA destination must be
 128-byte aligned.
-Only on a Hopper GPU (TMA, wgmma), group 128, N % 64 == 0, and not while a graph is being traced
+Only on a Hopper GPU (TMA, wgmma, cp.async), group 128, N % 64 == 0, and not while a graph is being traced
 (`usable`); everything else takes kernels/int4_gemm.py, which the CPU tests run under the interpreter.
 """
 
@@ -37,20 +43,23 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels._jit import TUNED_SMS, sm_count
 
 GROUP = 128
 BLOCK_N = 64
-XS_WIDTH = 32  # floats per group in the X buffer (16 used): 128 bytes, the TMA destination alignment
+XS_WIDTH = gl.constexpr(32)  # floats per group in the X buffer (16 used): 128 bytes, the TMA destination alignment
 MAX_SPLIT = 16
 
-# (split, stages, registers) per (K, N), from the tune on the H200 (bench/NOTES.md, item 17; call 37), for the
-# shapes where this path beat kernels/int4_gemm.py (None: a shape it did not; `bench.kernels --tune` redoes
-# it); other shapes: `pick`.
-CONFIGS: dict[tuple[int, int], tuple[int, int, int] | None] = {
+# (split, stages, registers[, x_depth]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17 and 21;
+# calls 37 and 51), for the shapes where this path beat kernels/int4_gemm.py (None: a shape it did not;
+# `bench.kernels --tune` redoes it); x_depth > 0: x staged by the kernel itself, one launch. Other shapes:
+# `pick`.
+CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 14336): (1, 4, 64),
     (14336, 4096): (8, 4, 64),
     (5376, 21504): (1, 4, 64),
@@ -58,9 +67,9 @@ CONFIGS: dict[tuple[int, int], tuple[int, int, int] | None] = {
     (8192, 28672): (1, 4, 64),
     (4096, 128256): (1, 4, 64),  # Llama-3-8B lm_head
     (4096, 28672): (1, 4, 64),   # fused gate|up
-    (4096, 4096): None, (4096, 1024): None, (4096, 6144): None,
+    (4096, 4096): (4, 4, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 4, 64, 2),
 }
-MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel (4096x6144 tied)
+MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 
 
 @gluon.jit
@@ -125,6 +134,74 @@ def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_
 
 
 @gluon.jit
+def _copy_x(xw_ptr, stride_xw, M, g, ok, stage):
+    """cp.async of x[:, group g] (bf16 pairs, natural order) into a staging buffer; rows >= M zero-filled."""
+    BLOCK_M: gl.constexpr = stage.type.shape[0]
+    W: gl.constexpr = stage.type.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // W, W // 4],
+                                            warps_per_cta=[1, 1], order=[1, 0])
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+    async_copy.async_copy_global_to_shared(stage, xw_ptr + rows[:, None] * stride_xw + g * W + cols[None, :],
+                                           mask=((rows < M)[:, None] & (cols >= 0)[None, :]) & ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _stage_x(xw, bar, x_s, xs_s):
+    """What the prep kernel writes, for one group and this program: x in the fragment's k order into the stage
+    and its sums X, then the stage's second arrival (the first is the weights' expect). Natural k =
+    32 t + 8 v + 4 half + s goes to ((v * 4 + s) * 4 + t) * 2 + half: in words (bf16 pairs), natural word
+    16 t + 4 v + 2 half + s // 2 holds s and s + 1, and the pair (half 0, half 1) of each s is one word of the
+    result, at (v * 4 + s) * 4 + t."""
+    BLOCK_M: gl.constexpr = x_s.type.shape[0]
+    GROUP: gl.constexpr = x_s.type.shape[1]
+    lo_f = (xw << 16).to(gl.float32, bitcast=True)
+    hi_f = (xw & -65536).to(gl.float32, bitcast=True)
+    xs_s.reshape([xs_s.type.shape[1]]).slice(0, BLOCK_M).store(gl.sum(lo_f + hi_f, axis=1))
+    a, b = gl.split(gl.permute(gl.reshape(xw, [BLOCK_M, 4, GROUP // 32, 2, 2]), [0, 1, 2, 4, 3]))  # half 0, 1
+    even = (a & 0xFFFF) | (b << 16)  # s = 2 w: (half 0, half 1)
+    odd = ((a >> 16) & 0xFFFF) | (b & -65536)  # s = 2 w + 1
+    xp = gl.permute(gl.join(even, odd), [0, 2, 3, 4, 1])  # [M, t, v, w, s % 2] -> [M, v, w, s % 2, t]
+    words: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=x_s.type.layout.swizzle_byte_width,
+                                               element_bitwidth=32, rank=2)
+    x_s._reinterpret(gl.int32, [BLOCK_M, GROUP // 2], words).store(gl.reshape(xp, [BLOCK_M, GROUP // 2]))
+    fence_async_shared()  # the generic-proxy writes above before the tensor core's (async-proxy) reads
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem, staging,
+                n0, g0, n_g, pdl):
+    """One warp, no prep kernel: the weights as in `_producer`; x by cp.async into a staging ring DEPTH groups
+    ahead, then permuted from there into the stage with its sums (`_stage_x`)."""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
+    DEPTH: gl.constexpr = staging.type.shape[0] - 1
+    W: gl.constexpr = staging.type.shape[2]
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // W, W // 4],
+                                            warps_per_cta=[1, 1], order=[1, 0])
+    nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
+    first = gl.minimum(n_g, STAGES)
+    for g in range(first):
+        _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
+    if pdl:
+        _gdc_wait()
+    for g in gl.static_range(DEPTH):
+        _copy_x(xw_ptr, stride_xw, M, g0 + g, g < n_g, staging.index(g))
+    for g in range(n_g):
+        st = g % STAGES
+        _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH, g + DEPTH < n_g, staging.index((g + DEPTH) % (DEPTH + 1)))
+        if g >= STAGES:
+            mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
+            _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
+        async_copy.wait_group(DEPTH)
+        gl.thread_barrier()  # every lane's copy of group g has landed
+        xw = staging.index(g % (DEPTH + 1)).load(layout)
+        gl.thread_barrier()  # every lane has read it before its buffer is refilled
+        _stage_x(xw, full.index(st), x_smem.index(st), xs_smem.index(st))
+
+
+@gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
     """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
@@ -156,9 +233,12 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 
 
 @gluon.jit
-def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
+def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
-                    STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr):
+                    STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
+                    X_DEPTH: gl.constexpr):
+    """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
+    by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None)."""
     W: gl.constexpr = GROUP // 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     pid_n = gl.program_id(0)
@@ -168,19 +248,28 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, y_ptr, ws_ptr, cnt_ptr, M,
     g0 = pid_k * n_g
 
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], x_desc.layout)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], X_LAYOUT)
     sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], sz_desc.layout)
-    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, xs_desc.block_type.shape[1]], xs_desc.layout)
+    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, XS_WIDTH], sz_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 else 2)  # (+ the producer's store of x)
         mbarrier.init(empty.index(i), count=1)
-    acc, = gl.warp_specialize([
-        (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
-        (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
-                       PDL)),
-    ], [1], [REGS])
+    if X_DEPTH == 0:
+        acc, = gl.warp_specialize([
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
+                         n_g, PDL)),
+        ], [1], [REGS])
+    else:
+        staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, BLOCK_M, GROUP // 2],
+                                            gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
+        acc, = gl.warp_specialize([
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+            (_producer_x, (w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem,
+                           staging, n0, g0, n_g, PDL)),
+        ], [1], [REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -216,12 +305,14 @@ def default_config(K: int, N: int, sms: int = TUNED_SMS) -> tuple[int, int, int]
     return split, 4, 64
 
 
-def pick(K: int, N: int, group: int, device) -> tuple[int, int, int] | None:
-    """This path's config for the shape, or None where kernels/int4_gemm.py should run it."""
+def pick(K: int, N: int, group: int, device, rows: int = 1) -> tuple | None:
+    """This path's config for the shape and M = rows, or None where kernels/int4_gemm.py should run it (a
+    one-launch config, tuned at M <= 8, leaves M > 8 to the Triton kernel)."""
     if group != GROUP or N % BLOCK_N or K % GROUP or K < 2 * GROUP:
         return None
     if (K, N) in CONFIGS:
-        return CONFIGS[(K, N)]
+        config = CONFIGS[(K, N)]
+        return None if config is None or (len(config) > 3 and config[3] and rows > 8) else config
     return default_config(K, N, sm_count(device)) if K * N >= MIN_WEIGHTS else None
 
 
@@ -249,9 +340,11 @@ def _shared_layouts(block_m: int) -> tuple:
 
 
 def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
-    """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] (group 128) -> [M, N] bf16, on this path."""
+    """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] (group 128) -> [M, N] bf16, on this path.
+    config: (split, stages, registers[, x_depth]); x_depth > 0 stages x in the kernel itself (one launch, no
+    prep kernel; M <= 8 and 16-byte aligned rows of x, else the prep kernel runs as with x_depth 0)."""
     from kernels import int4_gemm  # (int4_gemm imports this module for its dispatch)
-    split, stages, regs = config
+    split, stages, regs, *rest = config
     M, K = x.shape
     N = packed.shape[0]
     n_g = K // GROUP // split if K % (GROUP * split) == 0 else 0
@@ -259,21 +352,28 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         raise ValueError(f"int4_gluon: M={M} (<= 16), K={K} (split {split} into whole groups of {GROUP}) and "
                          f"N={N} (a multiple of {BLOCK_N}) do not fit")
     block_m = 8 if M <= 8 else 16
+    x_depth = rest[0] if rest and block_m == 8 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else 0
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
-    xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
-    xs = torch.empty((K // GROUP, XS_WIDTH), dtype=torch.float32, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     pdl = int4_gemm.USE_PDL
-    int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH, GROUP=GROUP,
-                                               BLOCK_M=16, PDL=pdl, num_warps=4)
     w_layout, x_layout, words = _shared_layouts(block_m)
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
-    x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
-    xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH], words)
-    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, y, ws, int4_gemm.counters(x.device), M,
-                                           N, K, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
-                                           SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl, num_warps=4,
-                                           maxnreg=regs, launch_pdl=pdl)
+    if x_depth:
+        x_desc = xs_desc = None
+        xw = x.view(torch.int32)
+    else:
+        xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
+        xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
+        int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
+                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4)
+        x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
+        xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH.value], words)
+        xw = None
+    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
+                                           M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
+                                           BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
+                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, num_warps=4, maxnreg=regs,
+                                           launch_pdl=pdl)
     return y

@@ -149,16 +149,20 @@ HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 @pytest.mark.parametrize("K,N,expected", [
     (8192, 28672, (1, 4, 64)),   # tuned: 448 column tiles, K unsplit
     (21504, 5376, (6, 4, 64)),   # tuned
-    (4096, 4096, None),          # the Triton kernel was faster on it: left there
+    (4096, 4096, (4, 4, 64, 2)),  # tuned: one launch, x staged in the kernel
     (8192, 8192, (4, 4, 64)),    # untuned, 64M weights: 128 tiles need 4 slices of 16 groups for 3.5 per SM
     (4096, 16384, (1, 4, 64)),   # untuned: 256 tiles >= 1.5 per SM (198), unsplit
     (4096, 12288, (4, 4, 64)),   # untuned: 192 tiles < 198; 3 slices (576) would do but 3 does not divide 32 groups
+    (2048, 4096, None),          # untuned and under 2^25 weights: the Triton kernel
     (4096, 8192 + 32, None),     # N not a multiple of 64
 ])
 def test_gluon_path_is_picked_for_large_group_128_shapes(K, N, expected):
     from kernels import int4_gluon
     assert int4_gluon.pick(K, N, 128, torch.device("cpu")) == expected
     assert int4_gluon.pick(K, N, 32, torch.device("cpu")) is None, "group 32 stays on the Triton kernel"
+    one_launch = expected is not None and len(expected) > 3
+    assert int4_gluon.pick(K, N, 128, torch.device("cpu"), rows=9) == (None if one_launch else expected), \
+        "a one-launch config is tuned for M <= 8; M > 8 goes to the Triton kernel"
 
 
 def test_cpu_tensors_never_take_the_gluon_path():
@@ -168,10 +172,12 @@ def test_cpu_tensors_never_take_the_gluon_path():
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (TMA, wgmma)")
 @pytest.mark.parametrize("K,N,config", [(4096, 1024, (1, 4, 64)), (4096, 1024, (4, 3, 64)), (3072, 512, (3, 6, 64)),
-                                        (8192, 8192, None)])
+                                        (4096, 1024, (8, 4, 64, 2)), (3072, 512, (1, 3, 64, 3)), (8192, 8192, None),
+                                        (4096, 4096, None)])
 def test_gpu_gluon_kernel_matches_reference(seed, K, N, config):
-    """Every M in 1..16 (the 8- and 16-wide products), split-K with whole and partial waves; None: the op's own
-    choice, which must be this path for a large shape."""
+    """Every M in 1..16 (the 8- and 16-wide products), split-K with whole and partial waves, x from the prep
+    kernel or staged in the kernel (a 4th config entry; M > 8 then takes the prep kernel); None: the op's own
+    choice, which must be this path for these shapes."""
     from kernels import int4_gluon
     packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K), 128))
     if config is None:
