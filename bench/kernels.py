@@ -10,7 +10,8 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
 - tune (--tune): a few launch configurations per GEMM shape and for SDPA, timed at M = 1 and 8; the
   winners are installed in kernels.int4_gemm.CONFIGS / kernels.sdpa_midm.CONFIG for the rest of the run
   and written to the JSON (copy them into the code); on Hopper also every split for kernels/int4_gluon.py,
-  whose CONFIGS get the shapes where it beats the Triton kernel by more than 3% (None for the others);
+  with x from the prep kernel and staged in the kernel (one launch), whose CONFIGS get the shapes where it
+  beats the Triton kernel by more than 3% (None for the others);
 - gemm: K x N in the issue's shapes, M = 1..8: ours (group 128), torch `_weight_int4pack_mm` (group 128),
   bf16 cuBLAS (F.linear), and the floor = (packed weights + scales/zeros + x + y) bytes / copy bandwidth;
 - sdpa: L in {4096, 32768, 131072}, M = 1..8, Hq 32 / Hkv 8 / D 128: ours, torch SDPA with the same bool

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from triton import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -133,13 +134,19 @@ def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_
         _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
 
 
+@constexpr_function
+def _x_words(W):
+    """One warp over [rows, W] words of x (bf16 pairs), 16 bytes a thread: the cp.async and the staging reads."""
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // W, W // 4], warps_per_cta=[1, 1],
+                            order=[1, 0])
+
+
 @gluon.jit
 def _copy_x(xw_ptr, stride_xw, M, g, ok, stage):
     """cp.async of x[:, group g] (bf16 pairs, natural order) into a staging buffer; rows >= M zero-filled."""
     BLOCK_M: gl.constexpr = stage.type.shape[0]
     W: gl.constexpr = stage.type.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // W, W // 4],
-                                            warps_per_cta=[1, 1], order=[1, 0])
+    layout: gl.constexpr = _x_words(W)
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, W, layout=gl.SliceLayout(0, layout))
     async_copy.async_copy_global_to_shared(stage, xw_ptr + rows[:, None] * stride_xw + g * W + cols[None, :],
@@ -177,9 +184,7 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
     ahead, then permuted from there into the stage with its sums (`_stage_x`)."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     DEPTH: gl.constexpr = staging.type.shape[0] - 1
-    W: gl.constexpr = staging.type.shape[2]
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // W, W // 4],
-                                            warps_per_cta=[1, 1], order=[1, 0])
+    layout: gl.constexpr = _x_words(staging.type.shape[2])
     nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
     first = gl.minimum(n_g, STAGES)
     for g in range(first):
