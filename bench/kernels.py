@@ -290,7 +290,10 @@ def check_sdpa():
 
 
 def check_norm_rope():
-    """RoPE bit-exact and RMSNorm within one bf16 ulp of the model's own code, at Llama-3-8B sizes."""
+    """RoPE bit-exact and RMSNorm within 3 bf16 ulps of the model's own code, at Llama-3-8B sizes. (The row's
+    sum of squares is reduced in another order than torch's, so the inverse RMS can differ in its last float32
+    bit and the normalised value, rounded to bf16 before the weight, by one ulp; the weight, 0.5-1.5 here,
+    carries that into at most 3 ulps of the product. Most draws give 0; call 53 met 2.)"""
     from kernels.norm_rope import rms_norm, rope
     from models.layers import RMSNorm, Rope, apply_rope
 
@@ -312,7 +315,7 @@ def check_norm_rope():
         h = (torch.randn(1, T, 4096, device="cuda") * 3).to(torch.bfloat16)
         a, b = rms_norm(h, norm.weight, norm.eps), norm(h)
         norm_ulps = max(norm_ulps, (a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max().item())
-    assert rope_diff == 0 and norm_ulps <= 1, f"rope: {rope_diff} values differ; rms_norm: {norm_ulps} ulps"
+    assert rope_diff == 0 and norm_ulps <= 3, f"rope: {rope_diff} values differ; rms_norm: {norm_ulps} ulps"
     out.update(rope_values_differing=rope_diff, rms_norm_max_ulps=norm_ulps)
     log(f"check norm/rope: rope bit-exact, rms_norm within {norm_ulps} ulp")
     save()
