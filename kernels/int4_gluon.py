@@ -94,13 +94,14 @@ def _a_operand(wd, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, a_l: gl.constexpr
 
 @gluon.jit
 def _gdc_wait():
-    """griddepcontrol.wait: the prep kernel's x and X are complete and visible past this point."""
+    """griddepcontrol.wait: the previous kernel's writes (the prep kernel's x and X, or x itself in the one-launch
+    mode) are complete and visible past this point."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _issue_weights(w_desc, sz_desc, bar, w_s, sz_s, n0, g, nbytes: gl.constexpr):
-    mbarrier.expect(bar, nbytes)  # (all four copies of the stage: the barrier completes once x and X landed too)
+    mbarrier.expect(bar, nbytes)  # every TMA byte of the stage (with the prep kernel, x's and X's copies too)
     tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
     tma.async_copy_global_to_shared(sz_desc, [g, n0], bar, sz_s)
 
