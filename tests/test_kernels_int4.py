@@ -156,7 +156,7 @@ HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
     (2048, 4096, None),          # untuned and under 2^25 weights: the Triton kernel
     (4096, 8192 + 32, None),     # N not a multiple of 64
 ])
-def test_gluon_path_is_picked_for_large_group_128_shapes(K, N, expected):
+def test_gluon_path_is_picked_for_tuned_and_large_group_128_shapes(K, N, expected):
     from kernels import int4_gluon
     assert int4_gluon.pick(K, N, 128, torch.device("cpu")) == expected
     assert int4_gluon.pick(K, N, 32, torch.device("cpu")) is None, "group 32 stays on the Triton kernel"
