@@ -45,6 +45,8 @@ from kernels._jit import TUNED_SMS, compiled, lazy_jit, sm_count
 BLOCK_M = 16  # activation rows per launch (the tensor-core minimum); M <= BLOCK_M
 USE_PTX = True  # the one-instruction lop3 on the GPU (False: plain and/or, same values, one more op per pair)
 USE_PDL = True  # programmatic dependent launch of the GEMM after the prep kernel (GPU only)
+CHAIN = 0  # (A/B) 1: the Gluon GEMM triggers its dependents at start, 2: after its last copy; the prep kernel PDL
+L2_AHEAD = 0  # (A/B) groups of weights the Gluon GEMM prefetches into L2 before its dependency wait
 GROUPS = (32, 128)
 
 
@@ -87,12 +89,14 @@ def int4_mm_reference(x: torch.Tensor, packed, scale_zero, group: int) -> torch.
 
 @lazy_jit(do_not_specialize=["M", "M_OUT"])
 def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, M_OUT, K, stride_xm, stride_xs_m, stride_xs_g,
-                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
     """One program per group of k: xp[:M_OUT, group] = x[:, group] in the fragment order (rows >= M zero) and
     xs[m, g] = its sum at m * stride_xs_m + g * stride_xs_g (this GEMM: [BLOCK_M, K/g]; int4_gluon's TMA boxes
     want it group-major)."""
     if PDL:
         gdc_launch_dependents()  # the GEMM's programs may be scheduled now; they wait for this grid's writes
+    if WAIT:
+        gdc_wait()
     g = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
@@ -290,7 +294,7 @@ def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> 
     cnt = counters(x.device) if split > 1 else y
     pdl = USE_PDL and compiled()
     _int4_prep_kernel[(K // group,)](x, xp, xs, M, M, K, x.stride(0), K // group, 1, GROUP=group, BLOCK_M=BLOCK_M,
-                                     PDL=pdl, num_warps=4)
+                                     PDL=pdl, WAIT=False, num_warps=4)
     sz = scale_zero.view(torch.int32)  # [K/g, N, 1]: one word per (group, column)
     _int4_mm_kernel[grid](xp, xs, packed, sz, y, ws, cnt, M, N, K, y.stride(0),
                           GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split,

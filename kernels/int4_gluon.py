@@ -100,6 +100,26 @@ def _gdc_wait():
 
 
 @gluon.jit
+def _gdc_launch():
+    """griddepcontrol.launch_dependents: the next kernel's programs may be scheduled (once every program of this
+    grid has said so or exited); they wait for this grid's completion before their first dependent access."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_l2(w_ptr, row_bytes, n0, g, count):
+    """Weight bytes of groups g .. g + count - 1 of the tile's 64 rows into L2 (one bulk prefetch per row: a
+    row's groups are contiguous), issued before the dependency wait so that they stream during the previous
+    kernel's tail."""
+    rows = gl.arange(0, 64, layout=gl.BlockedLayout([2], [32], [1], [0]))
+    ptrs = w_ptr + (n0 + rows).to(gl.int64) * row_bytes + g * 64
+    nbytes = gl.zeros_like(rows) + count * 64
+    gl.inline_asm_elementwise("{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+                              "mov.b32 $0, 0; }", "=r,l,r", [ptrs, nbytes], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _issue_weights(w_desc, sz_desc, bar, w_s, sz_s, n0, g, nbytes: gl.constexpr):
     mbarrier.expect(bar, nbytes)  # every TMA byte of the stage (with the prep kernel, x's and X's copies too)
     tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
@@ -113,7 +133,8 @@ def _issue_x(x_desc, xs_desc, bar, x_s, xs_s, g):
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl):
+def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl,
+              w_ptr, row_bytes, ahead, trigger):
     """One warp: each group's copies into its stage once the consumers released the stage's previous group.
     The first ring's weights and scale/zero do not depend on the prep kernel, so they are issued before the
     programmatic-dependency wait (`pdl`): their DRAM latency overlaps the prep kernel and this grid's launch.
@@ -124,6 +145,8 @@ def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_
     first = gl.minimum(n_g, STAGES)
     for g in range(first):
         _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
+    if ahead > 0:
+        _prefetch_l2(w_ptr, row_bytes, n0, g0 + first, gl.minimum(ahead, n_g - first))
     if pdl:
         _gdc_wait()
     for g in range(first):
@@ -133,6 +156,8 @@ def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_
         mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
         _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
         _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
+    if trigger == 2:
+        _gdc_launch()
 
 
 @constexpr_function
@@ -180,7 +205,7 @@ def _stage_x(xw, bar, x_s, xs_s):
 
 @gluon.jit
 def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem, staging,
-                n0, g0, n_g, pdl):
+                n0, g0, n_g, pdl, w_ptr, row_bytes, ahead, trigger):
     """One warp, no prep kernel: the weights as in `_producer`; x by cp.async into a staging ring DEPTH groups
     ahead, then permuted from there into the stage with its sums (`_stage_x`)."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
@@ -190,6 +215,8 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
     first = gl.minimum(n_g, STAGES)
     for g in range(first):
         _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
+    if ahead > 0:
+        _prefetch_l2(w_ptr, row_bytes, n0, g0 + first, gl.minimum(ahead, n_g - first))
     if pdl:
         _gdc_wait()
     for g in gl.static_range(DEPTH):
@@ -205,6 +232,8 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
         xw = staging.index(g % (DEPTH + 1)).load(layout)
         gl.thread_barrier()  # every lane has read it before its buffer is refilled
         _stage_x(xw, full.index(st), x_smem.index(st), xs_smem.index(st))
+    if trigger == 2:
+        _gdc_launch()
 
 
 @gluon.jit
@@ -239,14 +268,16 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 
 
 @gluon.jit
-def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
+def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, AHEAD: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None)."""
     W: gl.constexpr = GROUP // 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    if TRIGGER == 1:
+        _gdc_launch()
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -266,7 +297,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
-                         n_g, PDL)),
+                         n_g, PDL, w_ptr, K // 2, AHEAD, TRIGGER)),
         ], [1], [REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, BLOCK_M, GROUP // 2],
@@ -274,7 +305,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer_x, (w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem,
-                           staging, n0, g0, n_g, PDL)),
+                           staging, n0, g0, n_g, PDL, w_ptr, K // 2, AHEAD, TRIGGER)),
         ], [1], [REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
@@ -372,14 +403,18 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     else:
         xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
         xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
+        chain = pdl and int4_gemm.CHAIN > 0
         int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
-                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4)
+                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, WAIT=chain, num_warps=4,
+                                                   **({"launch_pdl": True} if chain else {}))
         x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
         xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH.value], words)
         xw = None
-    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
+    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, packed, y, ws, int4_gemm.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=x_depth, num_warps=4, maxnreg=regs,
+                                           TRIGGER=int4_gemm.CHAIN if pdl else 0,
+                                           AHEAD=int4_gemm.L2_AHEAD if pdl else 0,
                                            launch_pdl=pdl)
     return y

@@ -72,7 +72,7 @@ def test_prep_writes_x_in_fragment_order_and_group_sums(interpret, seed, group):
     xp = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
     xs = torch.full((G.BLOCK_M, K // group), float("nan"))
     G._int4_prep_kernel[(K // group,)](x, xp, xs, M, M, K, x.stride(0), K // group, 1, GROUP=group, BLOCK_M=G.BLOCK_M,
-                                     PDL=False)
+                                     PDL=False, WAIT=False)
     Q, c = group // 32, torch.arange(group)
     half, t, s, v = c % 2, (c // 2) % 4, (c // 8) % 4, c // 32
     src = torch.cat([g * group + 8 * (Q * t + v) + s + 4 * half for g in range(K // group)])
