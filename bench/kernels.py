@@ -184,17 +184,24 @@ def section_check():
 
 
 def check_graph_replay():
-    """Both ops captured in a CUDA graph (with PDL edges where enabled) give the eager result on new inputs."""
+    """Both ops captured in a CUDA graph (with PDL edges where enabled) give the eager result on new inputs; the
+    GEMMs are chained (each call's output is the next one's x) through every path: Gluon with the prep kernel
+    and TRIGGER (so the next call's programs start before this one ends), Gluon in one launch, Triton."""
     out = RESULTS["check"]
-    packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(5000, 4096, device="cuda"), 128))
-    wide = G.quantize_int4(torch.randn(14336, 4096, device="cuda"), 128)  # the Gluon path where usable
-    square = G.quantize_int4(torch.randn(4096, 4096, device="cuda"), 128)  # its one-launch mode
+    chain = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 5000)]  # K x N
+    weights = [tuple(t.cuda() for t in G.quantize_int4(torch.randn(N, K, device="cuda") * 0.02, 128)) for K, N in chain]
     x = torch.randn(8, 4096, device="cuda").to(torch.bfloat16)
     k, v = (torch.randn(1, 8, 9000, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
     q = torch.randn(1, 32, 8, 128, device="cuda").to(torch.bfloat16)
     q_pos = torch.arange(8000, 8008, device="cuda")
-    calls = lambda: (G.int4_mm(x, packed, scale_zero, 128), G.int4_mm(x, *wide, 128), G.int4_mm(x, *square, 128),
-                     S.sdpa_midm(q, k, v, q_pos))
+
+    def calls():
+        outs, h = [], x
+        for w in weights:
+            h = G.int4_mm(h, *w, 128)
+            outs.append(h)
+        return outs + [S.sdpa_midm(q, k, v, q_pos)]
+
     calls()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -209,9 +216,8 @@ def check_graph_replay():
         outs = calls()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(outs_g, outs)), "graph replay differs from the eager call"
-    out["graph_replay_pdl"] = dict(gemm=G.USE_PDL, sdpa=S.USE_PDL, gemm_paths=[
-        gemm_path(4096, 5000), gemm_path(4096, 14336), gemm_path(4096, 4096)])
-    log(f"check graph replay: equal to eager (PDL gemm={G.USE_PDL} sdpa={S.USE_PDL}; GEMM paths "
+    out["graph_replay_pdl"] = dict(gemm=G.USE_PDL, sdpa=S.USE_PDL, gemm_paths=[gemm_path(K, N) for K, N in chain])
+    log(f"check graph replay: equal to eager (PDL gemm={G.USE_PDL} sdpa={S.USE_PDL}; chained GEMM paths "
         f"{out['graph_replay_pdl']['gemm_paths']})")
     save()
 
@@ -332,10 +338,13 @@ def gemm_operands(K, N, group, copies):
 
 
 def gemm_path(K, N) -> list:
-    """Which kernel `int4_mm` runs for the shape here, and its launch config."""
+    """Which kernel `int4_mm` runs for the shape here (at M <= 8), its launch config, and for the Gluon path
+    whether it triggers the next kernel's launch at its start."""
     probe = torch.empty(1, device="cuda")
     gluon = int4_gluon.pick(K, N, 128, probe.device) if int4_gluon.usable(probe) else None
-    return ["gluon", *gluon] if gluon else ["triton", *G.pick_config(N, K, 128)]
+    if gluon:
+        return ["gluon", *gluon] + ["trigger"] * (G.USE_PDL and int4_gluon.triggers(N, gluon[0], probe.device))
+    return ["triton", *G.pick_config(N, K, 128)]
 
 
 def gemm_floor_bytes(M, K, N, group):

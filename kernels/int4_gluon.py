@@ -20,6 +20,11 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
   what the time depends on (80 registers: slower than Triton on every large shape; 64: faster on all).
 - Under programmatic dependent launch (`int4_gemm.USE_PDL`) the programs start while the prep kernel runs and
   issue their first ring of weight and scale/zero copies before waiting for it (0.4-0.8 us a call, item 18).
+  A grid of >= TRIGGER_PER_SM programs per SM also lets the next kernel launch at its start
+  (griddepcontrol.launch_dependents): back to back, the next call's programs (behind its prep kernel, itself a
+  dependent) issue their first ring during this call's tail (item 22). The block scheduler places programs that
+  arrive while SMs are busy greedily (up to 4 on an SM, none on others), which a sparse grid does not absorb:
+  4096x14336 unsplit went from 14.3 to 18.5 us, hence the threshold and its split of 2.
 - The product is BLOCK_M = 8 wide for M <= 8 (wgmma n = 8; Triton's dot would fall back to mma.sync), with
   x padded to BLOCK_M rows by the prep kernel so that no TMA box reaches past the tensor.
 - One launch on the small shapes (CONFIGS entries with an x_depth, item 21): the producer stages x itself
@@ -61,7 +66,7 @@ MAX_SPLIT = 16
 # `bench.kernels --tune` redoes it); x_depth > 0: x staged by the kernel itself, one launch. Other shapes:
 # `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {
-    (4096, 14336): (1, 4, 64),
+    (4096, 14336): (2, 4, 64),  # split 2: enough programs per SM for TRIGGER (item 22)
     (14336, 4096): (8, 4, 64),
     (5376, 21504): (1, 4, 64),
     (21504, 5376): (6, 4, 64),
@@ -71,6 +76,9 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 4096): (4, 4, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 4, 64, 2),
 }
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
+# A grid of at least this many programs per SM lets the next kernel's programs be scheduled at its start
+# (TRIGGER); sparser grids would have them piled onto a few SMs (bench/NOTES.md, item 22).
+TRIGGER_PER_SM = 3
 
 
 @gluon.jit
@@ -108,18 +116,6 @@ def _gdc_launch():
 
 
 @gluon.jit
-def _prefetch_l2(w_ptr, row_bytes, n0, g, count):
-    """Weight bytes of groups g .. g + count - 1 of the tile's 64 rows into L2 (one bulk prefetch per row: a
-    row's groups are contiguous), issued before the dependency wait so that they stream during the previous
-    kernel's tail."""
-    rows = gl.arange(0, 64, layout=gl.BlockedLayout([2], [32], [1], [0]))
-    ptrs = w_ptr + (n0 + rows).to(gl.int64) * row_bytes + g * 64
-    nbytes = gl.zeros_like(rows) + count * 64
-    gl.inline_asm_elementwise("{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                              "mov.b32 $0, 0; }", "=r,l,r", [ptrs, nbytes], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _issue_weights(w_desc, sz_desc, bar, w_s, sz_s, n0, g, nbytes: gl.constexpr):
     mbarrier.expect(bar, nbytes)  # every TMA byte of the stage (with the prep kernel, x's and X's copies too)
     tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
@@ -133,8 +129,7 @@ def _issue_x(x_desc, xs_desc, bar, x_s, xs_s, g):
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl,
-              w_ptr, row_bytes, ahead, trigger):
+def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl):
     """One warp: each group's copies into its stage once the consumers released the stage's previous group.
     The first ring's weights and scale/zero do not depend on the prep kernel, so they are issued before the
     programmatic-dependency wait (`pdl`): their DRAM latency overlaps the prep kernel and this grid's launch.
@@ -145,8 +140,6 @@ def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_
     first = gl.minimum(n_g, STAGES)
     for g in range(first):
         _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
-    if ahead > 0:
-        _prefetch_l2(w_ptr, row_bytes, n0, g0 + first, gl.minimum(ahead, n_g - first))
     if pdl:
         _gdc_wait()
     for g in range(first):
@@ -156,8 +149,6 @@ def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_
         mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
         _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
         _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
-    if trigger == 2:
-        _gdc_launch()
 
 
 @constexpr_function
@@ -205,7 +196,7 @@ def _stage_x(xw, bar, x_s, xs_s):
 
 @gluon.jit
 def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem, staging,
-                n0, g0, n_g, pdl, w_ptr, row_bytes, ahead, trigger):
+                n0, g0, n_g, pdl):
     """One warp, no prep kernel: the weights as in `_producer`; x by cp.async into a staging ring DEPTH groups
     ahead, then permuted from there into the stage with its sums (`_stage_x`)."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
@@ -215,8 +206,6 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
     first = gl.minimum(n_g, STAGES)
     for g in range(first):
         _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
-    if ahead > 0:
-        _prefetch_l2(w_ptr, row_bytes, n0, g0 + first, gl.minimum(ahead, n_g - first))
     if pdl:
         _gdc_wait()
     for g in gl.static_range(DEPTH):
@@ -232,8 +221,6 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
         xw = staging.index(g % (DEPTH + 1)).load(layout)
         gl.thread_barrier()  # every lane has read it before its buffer is refilled
         _stage_x(xw, full.index(st), x_smem.index(st), xs_smem.index(st))
-    if trigger == 2:
-        _gdc_launch()
 
 
 @gluon.jit
@@ -268,15 +255,16 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 
 
 @gluon.jit
-def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
+def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, AHEAD: gl.constexpr):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
-    by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None)."""
+    by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None). TRIGGER: the next
+    kernel, if it is a programmatic dependent, may be scheduled as soon as every program has started."""
     W: gl.constexpr = GROUP // 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    if TRIGGER == 1:
+    if TRIGGER:
         _gdc_launch()
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -297,7 +285,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, w_ptr, y_ptr, ws_p
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
-                         n_g, PDL, w_ptr, K // 2, AHEAD, TRIGGER)),
+                         n_g, PDL)),
         ], [1], [REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, BLOCK_M, GROUP // 2],
@@ -305,7 +293,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, w_ptr, y_ptr, ws_p
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer_x, (w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem,
-                           staging, n0, g0, n_g, PDL, w_ptr, K // 2, AHEAD, TRIGGER)),
+                           staging, n0, g0, n_g, PDL)),
         ], [1], [REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
@@ -351,6 +339,11 @@ def pick(K: int, N: int, group: int, device, rows: int = 1) -> tuple | None:
         config = CONFIGS[(K, N)]
         return None if config is None or (len(config) > 3 and config[3] and rows > 8) else config
     return default_config(K, N, sm_count(device)) if K * N >= MIN_WEIGHTS else None
+
+
+def triggers(N: int, split: int, device) -> bool:
+    """Whether the grid for N columns in `split` slices of K lets the next kernel launch at its start (TRIGGER)."""
+    return N // BLOCK_N * split >= TRIGGER_PER_SM * sm_count(device)
 
 
 @functools.cache
@@ -403,18 +396,15 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     else:
         xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
         xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
-        chain = pdl and int4_gemm.CHAIN > 0
         int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
-                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, WAIT=chain, num_warps=4,
-                                                   **({"launch_pdl": True} if chain else {}))
+                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4, launch_pdl=pdl and int4_gemm.PREP_PDL)
         x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
         xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH.value], words)
         xw = None
-    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, packed, y, ws, int4_gemm.counters(x.device),
+    trigger = pdl and triggers(N, split, x.device)
+    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
-                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, num_warps=4, maxnreg=regs,
-                                           TRIGGER=int4_gemm.CHAIN if pdl else 0,
-                                           AHEAD=int4_gemm.L2_AHEAD if pdl else 0,
-                                           launch_pdl=pdl)
+                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, num_warps=4,
+                                           maxnreg=regs, launch_pdl=pdl)
     return y

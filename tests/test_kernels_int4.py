@@ -72,7 +72,7 @@ def test_prep_writes_x_in_fragment_order_and_group_sums(interpret, seed, group):
     xp = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
     xs = torch.full((G.BLOCK_M, K // group), float("nan"))
     G._int4_prep_kernel[(K // group,)](x, xp, xs, M, M, K, x.stride(0), K // group, 1, GROUP=group, BLOCK_M=G.BLOCK_M,
-                                     PDL=False, WAIT=False)
+                                     PDL=False)
     Q, c = group // 32, torch.arange(group)
     half, t, s, v = c % 2, (c // 2) % 4, (c // 8) % 4, c // 32
     src = torch.cat([g * group + 8 * (Q * t + v) + s + 4 * half for g in range(K // group)])
@@ -192,3 +192,56 @@ def test_gpu_gluon_kernel_matches_reference(seed, K, N, config):
         assert not out.isnan().any(), f"unwritten outputs M={M} {config} seed {seed}"
         assert rel_err(out, reference64(x, packed, scale_zero, 128)) < 4e-3, f"M={M} {config} seed {seed}"
     assert not G.counters(torch.device("cuda")).any(), "split-K arrival counters must be reset"
+
+
+def test_only_grids_of_three_programs_per_sm_trigger_the_next_launch():
+    """A sparse grid must not let the next call's programs start early: the block scheduler piles them onto a
+    few SMs (bench/NOTES.md, item 22)."""
+    from kernels import int4_gluon
+    cpu = torch.device("cpu")  # counts as the tuned GPU's SMs
+    sms = G.sm_count(cpu)
+    tiles = lambda programs: programs * int4_gluon.BLOCK_N
+    assert int4_gluon.triggers(tiles(3 * sms), 1, cpu) and int4_gluon.triggers(tiles(sms), 3, cpu)
+    assert not int4_gluon.triggers(tiles(3 * sms - 1), 1, cpu) and not int4_gluon.triggers(tiles(sms), 2, cpu)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (TMA, wgmma)")
+def test_gpu_chained_calls_replayed_from_a_graph_match_eager_and_reference(seed):
+    """Each call's output is the next call's x, captured in one CUDA graph: the first two grids trigger the next
+    launch at their start (so the next call's programs and its prep kernel are resident before this call ends),
+    the last stages x in one launch. Every replay on fresh x equals the eager calls bitwise and each stage its
+    float64 reference."""
+    from kernels import int4_gluon
+    dev = torch.device("cuda")
+    chain = [((4096, 14336), (2, 4, 64)), ((14336, 4096), (8, 4, 64)), ((4096, 1024), (8, 4, 64, 2))]
+    assert [int4_gluon.triggers(N, cfg[0], dev) for (K, N), cfg in chain] == [True, True, False]
+    weights = [tuple(t.cuda() for t in G.quantize_int4(torch.randn(N, K) * 0.05, 128)) for (K, N), _ in chain]
+    for M in (1, 5, 8):
+        x = torch.randn(M, 4096, device="cuda").to(torch.bfloat16)
+
+        def calls():
+            outs, h = [], x
+            for w, (_, cfg) in zip(weights, chain):
+                h = int4_gluon.launch(h, *w, cfg)
+                outs.append(h)
+            return outs
+
+        calls()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs_g = calls()
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            for o in outs_g:
+                o.fill_(float("nan"))
+            graph.replay()
+            eager = calls()
+            torch.cuda.synchronize()
+            for j, (a, b) in enumerate(zip(outs_g, eager)):
+                assert torch.equal(a, b), f"stage {j} M={M}: graph replay differs from the eager call"
+            for j, w in enumerate(weights):
+                ref = reference64(x if j == 0 else outs_g[j - 1], *w, 128)
+                assert rel_err(outs_g[j], ref) < 4e-3, f"stage {j} M={M} seed {seed}"
+        del graph
+    assert not G.counters(dev).any(), "split-K arrival counters must be reset"
