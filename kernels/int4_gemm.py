@@ -23,9 +23,9 @@ over k, so this is exact) so that each thread's tensor-core fragment comes from 
 does (only the single lop3 is inline PTX, replaced by plain and/or there). With SPLIT_K > 1 each program
 writes an fp32 partial; the last program of a column tile to arrive (a per-tile counter, reset by that
 program) sums the partials in split order and writes the output, so the result is deterministic.
-On the GPU both kernels are launched with programmatic dependent launch: the GEMM's programs start while the
-prep kernel finishes and wait (griddepcontrol.wait) before the first read of its output, and the prep kernel
-waits before any access, so it may start while the previous kernel (a GEMM that triggered it) finishes.
+On the GPU the GEMM is launched with programmatic dependent launch: its programs start while the prep
+kernel finishes and wait (griddepcontrol.wait) before the first read of its output. The prep kernel waits
+before any access too, so int4_gluon may launch it as a dependent of the previous kernel (its chained mode).
 Measured on the H200: bench/NOTES.md.
 
 `int4_mm_reference` is the plain PyTorch definition (dequantise, then matmul) the tests compare against.
@@ -46,7 +46,6 @@ from kernels._jit import TUNED_SMS, compiled, lazy_jit, sm_count
 BLOCK_M = 16  # activation rows per launch (the tensor-core minimum); M <= BLOCK_M
 USE_PTX = True  # the one-instruction lop3 on the GPU (False: plain and/or, same values, one more op per pair)
 USE_PDL = True  # programmatic dependent launch of the GEMM after the prep kernel (GPU only)
-PREP_PDL = True  # (A/B, temporary)
 GROUPS = (32, 128)
 
 
@@ -293,7 +292,7 @@ def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> 
     cnt = counters(x.device) if split > 1 else y
     pdl = USE_PDL and compiled()
     _int4_prep_kernel[(K // group,)](x, xp, xs, M, M, K, x.stride(0), K // group, 1, GROUP=group, BLOCK_M=BLOCK_M,
-                                     PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl and PREP_PDL else {}))
+                                     PDL=pdl, num_warps=4)
     sz = scale_zero.view(torch.int32)  # [K/g, N, 1]: one word per (group, column)
     _int4_mm_kernel[grid](xp, xs, packed, sz, y, ws, cnt, M, N, K, y.stride(0),
                           GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split,

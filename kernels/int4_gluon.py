@@ -20,11 +20,12 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
   what the time depends on (80 registers: slower than Triton on every large shape; 64: faster on all).
 - Under programmatic dependent launch (`int4_gemm.USE_PDL`) the programs start while the prep kernel runs and
   issue their first ring of weight and scale/zero copies before waiting for it (0.4-0.8 us a call, item 18).
-  A grid of >= TRIGGER_PER_SM programs per SM also lets the next kernel launch at its start
-  (griddepcontrol.launch_dependents): back to back, the next call's programs (behind its prep kernel, itself a
-  dependent) issue their first ring during this call's tail (item 22). The block scheduler places programs that
-  arrive while SMs are busy greedily (up to 4 on an SM, none on others), which a sparse grid does not absorb:
-  4096x14336 unsplit went from 14.3 to 18.5 us, hence the threshold and its split of 2.
+  Chained mode, for grids of >= TRIGGER_PER_SM programs per SM (item 22): the GEMM lets the next kernel launch
+  at its start (griddepcontrol.launch_dependents) and its prep kernel is launched as a dependent of the previous
+  kernel, so back to back the next call's programs issue their first ring during this call's tail. Sparser
+  grids keep plain launches: the block scheduler places programs that arrive while SMs are busy greedily (0 to
+  4 on an SM), which they do not absorb (4096x14336 unsplit: 14.3 -> 18.5 us), and a prep kernel launched as a
+  dependent of a grid that does not trigger cost 2.6 us (5376x21504).
 - The product is BLOCK_M = 8 wide for M <= 8 (wgmma n = 8; Triton's dot would fall back to mma.sync), with
   x padded to BLOCK_M rows by the prep kernel so that no TMA box reaches past the tensor.
 - One launch on the small shapes (CONFIGS entries with an x_depth, item 21): the producer stages x itself
@@ -76,8 +77,7 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 4096): (4, 4, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 4, 64, 2),
 }
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
-# A grid of at least this many programs per SM lets the next kernel's programs be scheduled at its start
-# (TRIGGER); sparser grids would have them piled onto a few SMs (bench/NOTES.md, item 22).
+# A grid of at least this many programs per SM runs in the chained mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
 
 
@@ -342,7 +342,8 @@ def pick(K: int, N: int, group: int, device, rows: int = 1) -> tuple | None:
 
 
 def triggers(N: int, split: int, device) -> bool:
-    """Whether the grid for N columns in `split` slices of K lets the next kernel launch at its start (TRIGGER)."""
+    """Whether the grid for N columns in `split` slices of K runs in the chained mode: it lets the next kernel
+    launch at its start (TRIGGER) and its prep kernel is a dependent of the previous kernel."""
     return N // BLOCK_N * split >= TRIGGER_PER_SM * sm_count(device)
 
 
@@ -387,6 +388,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     pdl = int4_gemm.USE_PDL
+    chain = pdl and triggers(N, split, x.device)  # the chained mode (module docstring)
     w_layout, x_layout, words = _shared_layouts(block_m)
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
@@ -397,14 +399,13 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
         xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
         int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
-                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4, launch_pdl=pdl and int4_gemm.PREP_PDL)
+                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4, launch_pdl=chain)
         x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
         xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH.value], words)
         xw = None
-    trigger = pdl and triggers(N, split, x.device)
     _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
-                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, num_warps=4,
+                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=chain, num_warps=4,
                                            maxnreg=regs, launch_pdl=pdl)
     return y
