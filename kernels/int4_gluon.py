@@ -70,7 +70,7 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 14336): (2, 4, 64),  # split 2: enough programs per SM for TRIGGER (item 22)
     (14336, 4096): (8, 4, 64),
     (5376, 21504): (1, 4, 64),
-    (21504, 5376): (6, 4, 64),
+    (21504, 5376): (6, 6, 64),  # 6 stages: 0.7 us faster than 4 in the chained mode (item 22)
     (8192, 28672): (1, 4, 64),
     (4096, 128256): (1, 4, 64),  # Llama-3-8B lm_head
     (4096, 28672): (1, 4, 64),   # fused gate|up
