@@ -245,10 +245,11 @@ def check_int4():
         assert not G.counters(torch.device("cuda")).any(), "split-K counters not reset"
         out[f"int4_g{group}_k{K}_worst_rel_err"] = worst
         log(f"check int4 g{group} K={K} ({len(cfgs)} configs incl. the default): worst rel err {worst:.2e}")
-    # the Gluon path (kernels/int4_gluon.py) through the op, on shapes it takes: unsplit, split 6, untuned, one
-    # launch (x staged in the kernel; M > 8 there takes the Triton kernel)
+    # the Gluon path (kernels/int4_gluon.py) through the op, on shapes it takes: split 2 and 6, untuned unsplit,
+    # one launch at M <= 8 (x staged in the kernel; M > 8 takes the prep kernel on 14336x4096, the Triton kernel
+    # on 4096x4096)
     worst = 0.0
-    for K, N in ((4096, 14336), (21504, 5376), (4096, 16384), (4096, 4096)):
+    for K, N in ((4096, 14336), (14336, 4096), (21504, 5376), (4096, 16384), (4096, 4096)):
         packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K, device="cuda"), 128))
         assert int4_gluon.pick(K, N, 128, torch.device("cuda")) is not None and int4_gluon.usable(packed)
         for M in range(1, 17):
@@ -257,7 +258,7 @@ def check_int4():
             worst = max(worst, rel_err(y, x.double() @ G.dequantize_int4(packed, scale_zero, 128, torch.float64).t()))
     assert worst < 1e-2 and not G.counters(torch.device("cuda")).any(), f"int4 gluon: rel err {worst}"
     out["int4_gluon_worst_rel_err"] = worst
-    log(f"check int4 gluon path (4 shapes, M 1..16): worst rel err {worst:.2e}")
+    log(f"check int4 gluon path (5 shapes, M 1..16): worst rel err {worst:.2e}")
     # torch's packing: which nibble holds even k?
     packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(1024, 4096, device="cuda"), 128))
     x = torch.randn(4, 4096, device="cuda").to(torch.bfloat16)

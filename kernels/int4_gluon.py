@@ -62,19 +62,19 @@ BLOCK_N = 64
 XS_WIDTH = gl.constexpr(32)  # floats per group in the X buffer (16 used): 128 bytes, the TMA destination alignment
 MAX_SPLIT = 16
 
-# (split, stages, registers[, x_depth]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17 and 21;
-# calls 37 and 51), for the shapes where this path beat kernels/int4_gemm.py (None: a shape it did not;
-# `bench.kernels --tune` redoes it); x_depth > 0: x staged by the kernel itself, one launch. Other shapes:
-# `pick`.
+# (split, stages, registers[, x_depth]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17, 21 and
+# 22; calls 37, 51 and 59-61), for the shapes where this path beat kernels/int4_gemm.py (None: a shape it did
+# not; `bench.kernels --tune` redoes it); x_depth > 0: x staged by the kernel itself, one launch, at M <= 8.
+# Other shapes: `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {
-    (4096, 14336): (2, 4, 64),  # split 2: enough programs per SM for TRIGGER (item 22)
-    (14336, 4096): (8, 4, 64),
+    (4096, 14336): (2, 4, 64),  # split 2: enough programs per SM for the chained mode
+    (14336, 4096): (8, 4, 64, 2),
     (5376, 21504): (1, 4, 64),
-    (21504, 5376): (6, 6, 64),  # 6 stages: 0.7 us faster than 4 in the chained mode (item 22)
+    (21504, 5376): (6, 6, 64),
     (8192, 28672): (1, 4, 64),
     (4096, 128256): (1, 4, 64),  # Llama-3-8B lm_head
     (4096, 28672): (1, 4, 64),   # fused gate|up
-    (4096, 4096): (4, 4, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 4, 64, 2),
+    (4096, 4096): (8, 4, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 4, 64, 2),
 }
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the chained mode (module docstring, bench/NOTES.md item 22).
@@ -331,13 +331,16 @@ def default_config(K: int, N: int, sms: int = TUNED_SMS) -> tuple[int, int, int]
 
 
 def pick(K: int, N: int, group: int, device, rows: int = 1) -> tuple | None:
-    """This path's config for the shape and M = rows, or None where kernels/int4_gemm.py should run it (a
-    one-launch config, tuned at M <= 8, leaves M > 8 to the Triton kernel)."""
+    """This path's config for the shape and M = rows, or None where kernels/int4_gemm.py should run it. A
+    one-launch config is tuned at M <= 8: above, a shape under MIN_WEIGHTS goes to the Triton kernel (faster
+    there) and a larger one keeps the split with the prep kernel."""
     if group != GROUP or N % BLOCK_N or K % GROUP or K < 2 * GROUP:
         return None
     if (K, N) in CONFIGS:
         config = CONFIGS[(K, N)]
-        return None if config is None or (len(config) > 3 and config[3] and rows > 8) else config
+        if config is None or rows <= 8 or len(config) == 3 or not config[3]:
+            return config
+        return config[:3] if K * N >= MIN_WEIGHTS else None
     return default_config(K, N, sm_count(device)) if K * N >= MIN_WEIGHTS else None
 
 

@@ -146,23 +146,23 @@ def test_gpu_kernel_matches_reference(seed, group):
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 
 
-@pytest.mark.parametrize("K,N,expected", [
-    (8192, 28672, (1, 4, 64)),   # tuned: 448 column tiles, K unsplit
-    (21504, 5376, (6, 6, 64)),   # tuned
-    (4096, 4096, (4, 4, 64, 2)),  # tuned: one launch, x staged in the kernel
-    (8192, 8192, (4, 4, 64)),    # untuned, 64M weights: 128 tiles need 4 slices of 16 groups for 3.5 per SM
-    (4096, 16384, (1, 4, 64)),   # untuned: 256 tiles >= 1.5 per SM (198), unsplit
-    (4096, 12288, (4, 4, 64)),   # untuned: 192 tiles < 198; 3 slices (576) would do but 3 does not divide 32 groups
-    (2048, 4096, None),          # untuned and under 2^25 weights: the Triton kernel
-    (4096, 8192 + 32, None),     # N not a multiple of 64
+@pytest.mark.parametrize("K,N,expected,above_8", [
+    (8192, 28672, (1, 4, 64), (1, 4, 64)),   # tuned: 448 column tiles, K unsplit
+    (21504, 5376, (6, 6, 64), (6, 6, 64)),   # tuned
+    (4096, 4096, (8, 4, 64, 2), None),       # tuned: one launch at M <= 8; above, the Triton kernel
+    (14336, 4096, (8, 4, 64, 2), (8, 4, 64)),  # tuned: one launch at M <= 8; above, the prep kernel
+    (8192, 8192, (4, 4, 64), (4, 4, 64)),    # untuned, 64M weights: 128 tiles need 4 slices of 16 groups
+    (4096, 16384, (1, 4, 64), (1, 4, 64)),   # untuned: 256 tiles >= 1.5 per SM (198), unsplit
+    (4096, 12288, (4, 4, 64), (4, 4, 64)),   # untuned: 192 tiles < 198; 3 slices would do but do not divide 32
+    (2048, 4096, None, None),                # untuned and under 2^25 weights: the Triton kernel
+    (4096, 8192 + 32, None, None),           # N not a multiple of 64
 ])
-def test_gluon_path_is_picked_for_tuned_and_large_group_128_shapes(K, N, expected):
+def test_gluon_path_is_picked_for_tuned_and_large_group_128_shapes(K, N, expected, above_8):
     from kernels import int4_gluon
     assert int4_gluon.pick(K, N, 128, torch.device("cpu")) == expected
+    assert int4_gluon.pick(K, N, 128, torch.device("cpu"), rows=8) == expected
     assert int4_gluon.pick(K, N, 32, torch.device("cpu")) is None, "group 32 stays on the Triton kernel"
-    one_launch = expected is not None and len(expected) > 3
-    assert int4_gluon.pick(K, N, 128, torch.device("cpu"), rows=9) == (None if one_launch else expected), \
-        "a one-launch config is tuned for M <= 8; M > 8 goes to the Triton kernel"
+    assert int4_gluon.pick(K, N, 128, torch.device("cpu"), rows=9) == above_8
 
 
 def test_cpu_tensors_never_take_the_gluon_path():
@@ -207,14 +207,15 @@ def test_only_grids_of_three_programs_per_sm_trigger_the_next_launch():
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (TMA, wgmma)")
 def test_gpu_chained_calls_replayed_from_a_graph_match_eager_and_reference(seed):
-    """Each call's output is the next call's x, captured in one CUDA graph: the first two grids trigger the next
-    launch at their start (so the next call's programs and its prep kernel are resident before this call ends),
-    the last stages x in one launch. Every replay on fresh x equals the eager calls bitwise and each stage its
+    """Each call's output is the next call's x, captured in one CUDA graph: the first three grids trigger the next
+    launch at their start (so the next call's programs, and its prep kernel if it has one, are resident before
+    this call ends); the last two stage x in one launch, the third of them chained, the last not. Every replay on fresh x equals the eager calls bitwise and each stage its
     float64 reference."""
     from kernels import int4_gluon
     dev = torch.device("cuda")
-    chain = [((4096, 14336), (2, 4, 64)), ((14336, 4096), (8, 4, 64)), ((4096, 1024), (8, 4, 64, 2))]
-    assert [int4_gluon.triggers(N, cfg[0], dev) for (K, N), cfg in chain] == [True, True, False]
+    chain = [((4096, 14336), (2, 4, 64)), ((14336, 4096), (8, 4, 64)), ((4096, 4096), (8, 4, 64, 2)),
+             ((4096, 1024), (8, 4, 64, 2))]
+    assert [int4_gluon.triggers(N, cfg[0], dev) for (K, N), cfg in chain] == [True, True, True, False]
     weights = [tuple(t.cuda() for t in G.quantize_int4(torch.randn(N, K) * 0.05, 128)) for (K, N), _ in chain]
     for M in (1, 5, 8):
         x = torch.randn(M, 4096, device="cuda").to(torch.bfloat16)
