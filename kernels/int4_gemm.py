@@ -46,6 +46,7 @@ from kernels._jit import TUNED_SMS, compiled, lazy_jit, sm_count
 BLOCK_M = 16  # activation rows per launch (the tensor-core minimum); M <= BLOCK_M
 USE_PTX = True  # the one-instruction lop3 on the GPU (False: plain and/or, same values, one more op per pair)
 USE_PDL = True  # programmatic dependent launch of the GEMM after the prep kernel (GPU only)
+ONE_LAUNCH_PDL = True  # (A/B, temporary)
 GROUPS = (32, 128)
 
 

@@ -410,5 +410,5 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=chain, num_warps=4,
-                                           maxnreg=regs, launch_pdl=pdl)
+                                           maxnreg=regs, launch_pdl=pdl and (not x_depth or int4_gemm.ONE_LAUNCH_PDL))
     return y
