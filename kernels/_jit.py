@@ -6,8 +6,9 @@ choice at whichever moment `kernels` was first imported, so a test suite in whic
 it first would run GPU-compiled kernels on CPU tensors. `LazyJit` keeps the plain function and decorates
 it on first launch in each mode; a compiled launch goes through `torch.library.wrap_triton` so it traces
 into graphs (an interpreted one is launched directly, as torch 2.13 itself does and 2.11 refuses to).
-`compiled()` says which mode a launch is in (GPU-only launch options hang on it) and `sm_count(device)`
-the GPU's SM count that launch grids size their waves by.
+`compiled()` says which mode a launch is in (GPU-only launch options hang on it), `sm_count(device)` the GPU's
+SM count that launch grids size their waves by, and `pdl_capable` / `note_launch` / `last_launch_triggers`
+what programmatic dependent launch (PDL) may do.
 
 Interpreter shims (CPU tests only; they change nothing when kernels are compiled):
 - the 3.6 interpreter keeps scalars as 1-element numpy arrays and converts them with `int(array)`, which
@@ -40,6 +41,40 @@ def compiled() -> bool:
     return not triton.knobs.runtime.interpret
 
 
+def pdl_capable(device) -> bool:
+    """Compiled launches on a GPU with griddepcontrol (sm_90+), where kernels may take part in programmatic
+    dependent launch."""
+    device = torch.device(device)
+    return compiled() and device.type == "cuda" and _capability(_index(device))[0] >= 9
+
+
+# Per CUDA stream: whether our last launch on it lets the next kernel launch early (griddepcontrol.
+# launch_dependents at its start). A kernel that may start a call is launched as a programmatic dependent only
+# then: after a kernel that does not trigger, that costs time instead of saving it (0.7-2.6 us a call on the
+# H200, bench/NOTES.md item 22). Kernels launched by others (torch's) are not seen: a caller that runs them
+# between two of ours says so with note_launch(device, False).
+_TRIGGERS: dict[int, bool] = {}
+
+
+def note_launch(device, triggers: bool) -> None:
+    if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
+        _TRIGGERS[torch.cuda.current_stream(device).cuda_stream] = triggers
+
+
+def last_launch_triggers(device) -> bool:
+    return torch.device(device).type == "cuda" and _TRIGGERS.get(torch.cuda.current_stream(device).cuda_stream,
+                                                                   False)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -50,7 +85,7 @@ def sm_count(device) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         return TUNED_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_index(device))
 
 
 def _fix_interpreter() -> None:

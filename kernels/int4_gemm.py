@@ -41,12 +41,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import int4_gluon
-from kernels._jit import TUNED_SMS, compiled, lazy_jit, sm_count
+from kernels._jit import TUNED_SMS, compiled, lazy_jit, note_launch, pdl_capable, sm_count
 
 BLOCK_M = 16  # activation rows per launch (the tensor-core minimum); M <= BLOCK_M
 USE_PTX = True  # the one-instruction lop3 on the GPU (False: plain and/or, same values, one more op per pair)
 USE_PDL = True  # programmatic dependent launch of the GEMM after the prep kernel (GPU only)
-ONE_LAUNCH_PDL = True  # (A/B, temporary)
 GROUPS = (32, 128)
 
 
@@ -291,7 +290,7 @@ def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> 
     xs = torch.empty((BLOCK_M, K // group), dtype=torch.float32, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = counters(x.device) if split > 1 else y
-    pdl = USE_PDL and compiled()
+    pdl = USE_PDL and pdl_capable(x.device)
     _int4_prep_kernel[(K // group,)](x, xp, xs, M, M, K, x.stride(0), K // group, 1, GROUP=group, BLOCK_M=BLOCK_M,
                                      PDL=pdl, num_warps=4)
     sz = scale_zero.view(torch.int32)  # [K/g, N, 1]: one word per (group, column)
@@ -300,6 +299,7 @@ def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> 
                           PTX=USE_PTX and compiled(), PDL=pdl, num_warps=warps, num_stages=stages,
                           **({"launch_pdl": True} if pdl else {}),
                           **({"maxnreg": max_regs[0]} if max_regs else {}))
+    note_launch(x.device, False)
     return y
 
 

@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels._jit import TUNED_SMS, sm_count
+from kernels._jit import TUNED_SMS, last_launch_triggers, note_launch, sm_count
 
 GROUP = 128
 BLOCK_N = 64
@@ -392,6 +392,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     pdl = int4_gemm.USE_PDL
     chain = pdl and triggers(N, split, x.device)  # the chained mode (module docstring)
+    follows = pdl and last_launch_triggers(x.device)  # the call's first kernel launched as a dependent
     w_layout, x_layout, words = _shared_layouts(block_m)
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
@@ -402,7 +403,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
         xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
         int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
-                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4, launch_pdl=chain)
+                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4, launch_pdl=follows)
         x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
         xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH.value], words)
         xw = None
@@ -410,5 +411,6 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=chain, num_warps=4,
-                                           maxnreg=regs, launch_pdl=pdl and (not x_depth or int4_gemm.ONE_LAUNCH_PDL))
+                                           maxnreg=regs, launch_pdl=follows if x_depth else pdl)
+    note_launch(x.device, chain)
     return y

@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import compiled, lazy_jit
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from kernels._jit import compiled, lazy_jit, note_launch, pdl_capable
 
 ROPE_HEADS = 8  # heads per RoPE program
 
@@ -37,7 +39,10 @@ def _compile_options() -> dict:
 
 
 @lazy_jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, inv_d, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, inv_d, eps, BLOCK_D: tl.constexpr,
+                     TRIGGER: tl.constexpr):
+    if TRIGGER:
+        gdc_launch_dependents()  # the next GEMM's programs may start now (they wait for this grid's writes)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     ok = cols < D
@@ -83,8 +88,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x2.contiguous()
     y = torch.empty((x2.shape[0], D), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(D)
+    trigger = pdl_capable(x.device)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), D, 1.0 / D, eps, BLOCK_D=block,
-                                     num_warps=min(16, max(1, block // 256)), **_compile_options())
+                                     TRIGGER=trigger, num_warps=min(16, max(1, block // 256)), **_compile_options())
+    note_launch(x.device, trigger)
     return y.reshape(x.shape)
 
 
@@ -108,6 +115,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) ->
     _rope_kernel[(B * T, triton.cdiv(n_heads, ROPE_HEADS))](
         x, cos, sin, y, T, n_heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
         HD=hd, ROT=rot, BLOCK_H=ROPE_HEADS, num_warps=4, **_compile_options())
+    note_launch(x.device, False)
     return y
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._jit import TUNED_SMS, compiled, lazy_jit, sm_count
+from kernels._jit import TUNED_SMS, lazy_jit, note_launch, pdl_capable, sm_count
 
 MAX_M = 16
 LOG2E = 1.4426950408889634
@@ -125,6 +125,7 @@ def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_
                         SPLITS, H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr,
                         BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
     if PDL:
+        gdc_launch_dependents()  # the next kernel (o_proj's GEMM) may start now; it waits for this grid's writes
         gdc_wait()  # every split's partial is written past this point
     pid_bh = tl.program_id(0)
     pid_r = tl.program_id(1)  # = g * M + m over the valid rows
@@ -182,7 +183,7 @@ def launch_sdpa(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | 
     acc = torch.empty((B * Hkv * splits * block_r, D), dtype=torch.float32, device=q.device)
     out = torch.empty((B, M, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     vlen = valid_len if valid_len is not None else q_pos
-    pdl = USE_PDL and compiled()
+    pdl = USE_PDL and pdl_capable(q.device)
     _sdpa_split_kernel[(splits, B * Hkv)](
         q, k, v, q_pos, vlen, ml, acc, M, L, scale * LOG2E, window,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -193,6 +194,7 @@ def launch_sdpa(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | 
         ml, acc, out, M, out.stride(0), out.stride(1), out.stride(2), splits,
         H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, D=D, SPLITS_P2=triton.next_power_of_2(splits), PDL=pdl,
         num_warps=4, **({"launch_pdl": True} if pdl else {}))
+    note_launch(q.device, pdl)
     return out
 
 

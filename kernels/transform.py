@@ -24,12 +24,18 @@ import torch
 from torch import nn
 
 from kernels import dispatch
+from kernels._jit import note_launch
 from kernels.int4_gemm import quantize_int4
 from kernels.norm_rope import rms_norm, rope
-from models.layers import Attention, RMSNorm
+from models.layers import MLP, Attention, RMSNorm
 
 
 class Int4Linear(nn.Module):
+    """after_torch_ops: torch's kernels produce this linear's input after our last launch (MLP.down_proj, after
+    the SwiGLU product), so its GEMM must not count on that launch to start it early (kernels._jit)."""
+
+    after_torch_ops = False
+
     def __init__(self, linear: nn.Linear, group: int, max_m: int):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -41,6 +47,8 @@ class Int4Linear(nn.Module):
                                                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.after_torch_ops:
+            note_launch(x.device, False)
         return dispatch.int4_linear(x, self.packed, self.scale_zero, self.group, self.max_m, self.bias)
 
     def extra_repr(self) -> str:
@@ -171,4 +179,6 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, Int4Linear(child, group, max_m))
+        if isinstance(module, MLP) and isinstance(module.down_proj, Int4Linear):
+            module.down_proj.after_torch_ops = True
     return model

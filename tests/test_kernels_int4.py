@@ -246,3 +246,42 @@ def test_gpu_chained_calls_replayed_from_a_graph_match_eager_and_reference(seed)
                 assert rel_err(outs_g[j], ref) < 4e-3, f"stage {j} M={M} seed {seed}"
         del graph
     assert not G.counters(dev).any(), "split-K arrival counters must be reset"
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (griddepcontrol)")
+def test_gpu_call_after_a_triggering_kernel_or_torch_ops_matches_eager(seed):
+    """The GEMM's first kernel is a programmatic dependent only after a launch of ours that triggers (the RMSNorm
+    kernel does; RoPE and a torch op do not): in a CUDA graph each order gives the eager result bitwise."""
+    from kernels import _jit
+    from kernels.norm_rope import rms_norm, rope
+    from kernels.transform import Int4Linear
+    dev = torch.device("cuda")
+    lin = Int4Linear(torch.nn.Linear(4096, 1024, bias=False), 128, 8).cuda()  # one launch (CONFIGS)
+    after_torch = Int4Linear(torch.nn.Linear(4096, 1024, bias=False), 128, 8).cuda()
+    after_torch.after_torch_ops = True
+    w = (torch.rand(4096, device="cuda") + 0.5).to(torch.bfloat16)
+    cos, sin = torch.rand(2, 3, 128, device="cuda").unbind(0)
+    x = torch.randn(1, 3, 4096, device="cuda").to(torch.bfloat16)
+
+    def calls():
+        h = rms_norm(x, w, 1e-5)
+        assert _jit.last_launch_triggers(dev)
+        a = lin(h)  # launched as a dependent of the norm
+        r = rope(a, cos, sin, 8)
+        assert not _jit.last_launch_triggers(dev)
+        b = lin(h)  # after RoPE: plain launch
+        c = after_torch(h * 2)
+        return a, r, b, c
+
+    calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs_g = calls()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        eager = calls()
+        torch.cuda.synchronize()
+        assert all(torch.equal(g, e) for g, e in zip(outs_g, eager)), f"seed {seed}"
+    assert torch.equal(outs_g[0], outs_g[2])
