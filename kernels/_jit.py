@@ -44,8 +44,7 @@ def compiled() -> bool:
 def pdl_capable(device) -> bool:
     """Compiled launches on a GPU with griddepcontrol (sm_90+), where kernels may take part in programmatic
     dependent launch."""
-    device = torch.device(device)
-    return compiled() and device.type == "cuda" and _capability(_index(device))[0] >= 9
+    return compiled() and torch.device(device).type == "cuda" and capability(device)[0] >= 9
 
 
 # Per CUDA stream: whether our last launch on it lets the next kernel launch early (griddepcontrol.
@@ -68,6 +67,11 @@ def last_launch_triggers(device) -> bool:
 
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def capability(device) -> tuple[int, int]:
+    """The compute capability of `device`'s GPU (a CUDA device)."""
+    return _capability(_index(torch.device(device)))
 
 
 @functools.cache

@@ -25,7 +25,8 @@ writes an fp32 partial; the last program of a column tile to arrive (a per-tile 
 program) sums the partials in split order and writes the output, so the result is deterministic.
 On the GPU the GEMM is launched with programmatic dependent launch: its programs start while the prep
 kernel finishes and wait (griddepcontrol.wait) before the first read of its output. The prep kernel waits
-before any access too, so int4_gluon may launch it as a dependent of the previous kernel (its chained mode).
+before any access too, so int4_gluon may launch it as a dependent of the previous kernel (after a launch of
+ours that triggers: kernels._jit).
 Measured on the H200: bench/NOTES.md.
 
 `int4_mm_reference` is the plain PyTorch definition (dequantise, then matmul) the tests compare against.

@@ -21,11 +21,11 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
 - Under programmatic dependent launch (`int4_gemm.USE_PDL`) the programs start while the prep kernel runs and
   issue their first ring of weight and scale/zero copies before waiting for it (0.4-0.8 us a call, item 18).
   Chained mode, for grids of >= TRIGGER_PER_SM programs per SM (item 22): the GEMM lets the next kernel launch
-  at its start (griddepcontrol.launch_dependents) and its prep kernel is launched as a dependent of the previous
-  kernel, so back to back the next call's programs issue their first ring during this call's tail. Sparser
-  grids keep plain launches: the block scheduler places programs that arrive while SMs are busy greedily (0 to
-  4 on an SM), which they do not absorb (4096x14336 unsplit: 14.3 -> 18.5 us), and a prep kernel launched as a
-  dependent of a grid that does not trigger cost 2.6 us (5376x21504).
+  at its start (griddepcontrol.launch_dependents), so back to back the next call's programs issue their first
+  ring during this call's tail. Sparser grids do not: the block scheduler places programs that arrive while
+  SMs are busy greedily (0 to 4 on an SM), which they do not absorb (4096x14336 unsplit: 14.3 -> 18.5 us).
+  A call's first kernel (the prep kernel, or the GEMM in one launch) is itself a programmatic dependent only
+  after a launch of ours that triggers (`kernels._jit`): after one that does not, that cost 0.7-2.6 us.
 - The product is BLOCK_M = 8 wide for M <= 8 (wgmma n = 8; Triton's dot would fall back to mma.sync), with
   x padded to BLOCK_M rows by the prep kernel so that no TMA box reaches past the tensor.
 - One launch on the small shapes (CONFIGS entries with an x_depth, item 21): the producer stages x itself
@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels._jit import TUNED_SMS, last_launch_triggers, note_launch, sm_count
+from kernels._jit import TUNED_SMS, capability, last_launch_triggers, note_launch, sm_count
 
 GROUP = 128
 BLOCK_N = 64
@@ -346,13 +346,8 @@ def pick(K: int, N: int, group: int, device, rows: int = 1) -> tuple | None:
 
 def triggers(N: int, split: int, device) -> bool:
     """Whether the grid for N columns in `split` slices of K runs in the chained mode: it lets the next kernel
-    launch at its start (TRIGGER) and its prep kernel is a dependent of the previous kernel."""
+    launch at its start (TRIGGER)."""
     return N // BLOCK_N * split >= TRIGGER_PER_SM * sm_count(device)
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -362,7 +357,7 @@ def usable(x: torch.Tensor) -> bool:
         return False
     if isinstance(x, torch._subclasses.FakeTensor):
         return False
-    return _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return capability(x.device)[0] == 9
 
 
 @functools.cache

@@ -209,8 +209,8 @@ def test_only_grids_of_three_programs_per_sm_trigger_the_next_launch():
 def test_gpu_chained_calls_replayed_from_a_graph_match_eager_and_reference(seed):
     """Each call's output is the next call's x, captured in one CUDA graph: the first three grids trigger the next
     launch at their start (so the next call's programs, and its prep kernel if it has one, are resident before
-    this call ends); the last two stage x in one launch, the third of them chained, the last not. Every replay on fresh x equals the eager calls bitwise and each stage its
-    float64 reference."""
+    this call ends); the last two stage x in one launch, the third of them chained, the last not. Every replay
+    on fresh x equals the eager calls bitwise and each stage its float64 reference."""
     from kernels import int4_gluon
     dev = torch.device("cuda")
     chain = [((4096, 14336), (2, 4, 64)), ((14336, 4096), (8, 4, 64)), ((4096, 4096), (8, 4, 64, 2)),
