@@ -194,6 +194,27 @@ def test_gpu_gluon_kernel_matches_reference(seed, K, N, config):
     assert not G.counters(torch.device("cuda")).any(), "split-K arrival counters must be reset"
 
 
+def replays_match_eager(calls, x, check=lambda outs: None, replays: int = 2):
+    """calls() captured in a CUDA graph; each replay on fresh x (outputs poisoned first) must equal eager calls
+    bitwise and pass check(outputs). Returns the graph's outputs."""
+    calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs_g = calls()
+    for _ in range(replays):
+        x.copy_(torch.randn_like(x))
+        for o in outs_g:
+            o.fill_(float("nan"))
+        graph.replay()
+        eager = calls()
+        torch.cuda.synchronize()
+        for j, (a, b) in enumerate(zip(outs_g, eager)):
+            assert torch.equal(a, b), f"output {j}: graph replay differs from the eager call"
+        check(outs_g)
+    return outs_g
+
+
 def test_only_grids_of_three_programs_per_sm_trigger_the_next_launch():
     """A sparse grid must not let the next call's programs start early: the block scheduler piles them onto a
     few SMs (bench/NOTES.md, item 22)."""
@@ -227,24 +248,12 @@ def test_gpu_chained_calls_replayed_from_a_graph_match_eager_and_reference(seed)
                 outs.append(h)
             return outs
 
-        calls()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs_g = calls()
-        for _ in range(2):
-            x.copy_(torch.randn_like(x))
-            for o in outs_g:
-                o.fill_(float("nan"))
-            graph.replay()
-            eager = calls()
-            torch.cuda.synchronize()
-            for j, (a, b) in enumerate(zip(outs_g, eager)):
-                assert torch.equal(a, b), f"stage {j} M={M}: graph replay differs from the eager call"
+        def check(outs_g):
             for j, w in enumerate(weights):
                 ref = reference64(x if j == 0 else outs_g[j - 1], *w, 128)
                 assert rel_err(outs_g[j], ref) < 4e-3, f"stage {j} M={M} seed {seed}"
-        del graph
+
+        replays_match_eager(calls, x, check)
     assert not G.counters(dev).any(), "split-K arrival counters must be reset"
 
 
@@ -273,15 +282,5 @@ def test_gpu_call_after_a_triggering_kernel_or_torch_ops_matches_eager(seed):
         c = after_torch(h * 2)
         return a, r, b, c
 
-    calls()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs_g = calls()
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        eager = calls()
-        torch.cuda.synchronize()
-        assert all(torch.equal(g, e) for g, e in zip(outs_g, eager)), f"seed {seed}"
+    outs_g = replays_match_eager(calls, x)
     assert torch.equal(outs_g[0], outs_g[2])
