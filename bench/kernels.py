@@ -15,7 +15,7 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
 - gemm: K x N in the issue's shapes, M = 1..8: ours (group 128), torch `_weight_int4pack_mm` (group 128),
   bf16 cuBLAS (F.linear), and the floor = (packed weights + scales/zeros + x + y) bytes / copy bandwidth;
   ours also `alone`: each call as if a kernel not ours ran before it (no start during the previous call's
-  tail; kernels/int4_gluon.py, chained mode), as after torch's ops in a model;
+  tail; kernels/int4_gluon.py, overlap mode), as after torch's ops in a model;
 - sdpa: L in {4096, 32768, 131072}, M = 1..8, Hq 32 / Hkv 8 / D 128: ours, torch SDPA with the same bool
   mask (enable_gqa), the floor = K+V bytes / copy bandwidth;
 - model: Llama-3-8B shapes with random weights, CUDA-graph replays of the cached forward at 4096 and 32768
@@ -188,11 +188,12 @@ def section_check():
 
 def check_graph_replay():
     """Both ops captured in a CUDA graph (with PDL edges where enabled) give the eager result on new inputs; the
-    GEMMs are chained (each call's output is the next one's x) through every path: Gluon with the prep kernel
+    GEMMs run in sequence (each call's output is the next one's x) through every path: Gluon with the prep kernel
     and TRIGGER (so the next call's programs start before this one ends), Gluon in one launch, Triton."""
     out = RESULTS["check"]
-    chain = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 5000)]  # K x N
-    weights = [tuple(t.cuda() for t in G.quantize_int4(torch.randn(N, K, device="cuda") * 0.02, 128)) for K, N in chain]
+    sequence = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 5000)]  # K x N
+    weights = [tuple(t.cuda() for t in G.quantize_int4(torch.randn(N, K, device="cuda") * 0.02, 128))
+               for K, N in sequence]
     x = torch.randn(8, 4096, device="cuda").to(torch.bfloat16)
     k, v = (torch.randn(1, 8, 9000, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
     q = torch.randn(1, 32, 8, 128, device="cuda").to(torch.bfloat16)
@@ -219,8 +220,8 @@ def check_graph_replay():
         outs = calls()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(outs_g, outs)), "graph replay differs from the eager call"
-    out["graph_replay_pdl"] = dict(gemm=G.USE_PDL, sdpa=S.USE_PDL, gemm_paths=[gemm_path(K, N) for K, N in chain])
-    log(f"check graph replay: equal to eager (PDL gemm={G.USE_PDL} sdpa={S.USE_PDL}; chained GEMM paths "
+    out["graph_replay_pdl"] = dict(gemm=G.USE_PDL, sdpa=S.USE_PDL, gemm_paths=[gemm_path(K, N) for K, N in sequence])
+    log(f"check graph replay: equal to eager (PDL gemm={G.USE_PDL} sdpa={S.USE_PDL}; GEMM paths in sequence "
         f"{out['graph_replay_pdl']['gemm_paths']})")
     save()
 

@@ -20,7 +20,7 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
   what the time depends on (80 registers: slower than Triton on every large shape; 64: faster on all).
 - Under programmatic dependent launch (`int4_gemm.USE_PDL`) the programs start while the prep kernel runs and
   issue their first ring of weight and scale/zero copies before waiting for it (0.4-0.8 us a call, item 18).
-  Chained mode, for grids of >= TRIGGER_PER_SM programs per SM (item 22): the GEMM lets the next kernel launch
+  Overlap mode, for grids of >= TRIGGER_PER_SM programs per SM (item 22): the GEMM lets the next kernel launch
   at its start (griddepcontrol.launch_dependents), so back to back the next call's programs issue their first
   ring during this call's tail. Sparser grids do not: the block scheduler places programs that arrive while
   SMs are busy greedily (0 to 4 on an SM), which they do not absorb (4096x14336 unsplit: 14.3 -> 18.5 us).
@@ -67,7 +67,7 @@ MAX_SPLIT = 16
 # not; `bench.kernels --tune` redoes it); x_depth > 0: x staged by the kernel itself, one launch, at M <= 8.
 # Other shapes: `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {
-    (4096, 14336): (2, 4, 64),  # split 2: enough programs per SM for the chained mode
+    (4096, 14336): (2, 4, 64),  # split 2: enough programs per SM for the overlap mode
     (14336, 4096): (8, 4, 64, 2),
     (5376, 21504): (1, 4, 64),
     (21504, 5376): (6, 6, 64),
@@ -77,7 +77,7 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 4096): (8, 4, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 4, 64, 2),
 }
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
-# A grid of at least this many programs per SM runs in the chained mode (module docstring, bench/NOTES.md item 22).
+# A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
 
 
@@ -345,7 +345,7 @@ def pick(K: int, N: int, group: int, device, rows: int = 1) -> tuple | None:
 
 
 def triggers(N: int, split: int, device) -> bool:
-    """Whether the grid for N columns in `split` slices of K runs in the chained mode: it lets the next kernel
+    """Whether the grid for N columns in `split` slices of K runs in the overlap mode: it lets the next kernel
     launch at its start (TRIGGER)."""
     return N // BLOCK_N * split >= TRIGGER_PER_SM * sm_count(device)
 
@@ -386,7 +386,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     pdl = int4_gemm.USE_PDL
-    chain = pdl and triggers(N, split, x.device)  # the chained mode (module docstring)
+    trigger = pdl and triggers(N, split, x.device)  # the overlap mode (module docstring)
     follows = pdl and last_launch_triggers(x.device)  # the call's first kernel launched as a dependent
     w_layout, x_layout, words = _shared_layouts(block_m)
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
@@ -405,7 +405,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
-                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=chain, num_warps=4,
+                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, num_warps=4,
                                            maxnreg=regs, launch_pdl=follows if x_depth else pdl)
-    note_launch(x.device, chain)
+    note_launch(x.device, trigger)
     return y

@@ -227,23 +227,23 @@ def test_only_grids_of_three_programs_per_sm_trigger_the_next_launch():
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (TMA, wgmma)")
-def test_gpu_chained_calls_replayed_from_a_graph_match_eager_and_reference(seed):
+def test_gpu_calls_in_sequence_replayed_from_a_graph_match_eager_and_reference(seed):
     """Each call's output is the next call's x, captured in one CUDA graph: the first three grids trigger the next
     launch at their start (so the next call's programs, and its prep kernel if it has one, are resident before
-    this call ends); the last two stage x in one launch, the third of them chained, the last not. Every replay
+    this call ends); the last two stage x in one launch, the third of them triggering, the last not. Every replay
     on fresh x equals the eager calls bitwise and each stage its float64 reference."""
     from kernels import int4_gluon
     dev = torch.device("cuda")
-    chain = [((4096, 14336), (2, 4, 64)), ((14336, 4096), (8, 4, 64)), ((4096, 4096), (8, 4, 64, 2)),
-             ((4096, 1024), (8, 4, 64, 2))]
-    assert [int4_gluon.triggers(N, cfg[0], dev) for (K, N), cfg in chain] == [True, True, True, False]
-    weights = [tuple(t.cuda() for t in G.quantize_int4(torch.randn(N, K) * 0.05, 128)) for (K, N), _ in chain]
+    sequence = [((4096, 14336), (2, 4, 64)), ((14336, 4096), (8, 4, 64)), ((4096, 4096), (8, 4, 64, 2)),
+                ((4096, 1024), (8, 4, 64, 2))]
+    assert [int4_gluon.triggers(N, cfg[0], dev) for (K, N), cfg in sequence] == [True, True, True, False]
+    weights = [tuple(t.cuda() for t in G.quantize_int4(torch.randn(N, K) * 0.05, 128)) for (K, N), _ in sequence]
     for M in (1, 5, 8):
         x = torch.randn(M, 4096, device="cuda").to(torch.bfloat16)
 
         def calls():
             outs, h = [], x
-            for w, (_, cfg) in zip(weights, chain):
+            for w, (_, cfg) in zip(weights, sequence):
                 h = int4_gluon.launch(h, *w, cfg)
                 outs.append(h)
             return outs
