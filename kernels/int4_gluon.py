@@ -129,19 +129,26 @@ def _issue_x(x_desc, xs_desc, bar, x_s, xs_s, g):
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl):
-    """One warp: each group's copies into its stage once the consumers released the stage's previous group.
-    The first ring's weights and scale/zero do not depend on the prep kernel, so they are issued before the
-    programmatic-dependency wait (`pdl`): their DRAM latency overlaps the prep kernel and this grid's launch.
-    (Worker partitions take no constexpr arguments: the sizes come from the descriptors and buffers.)"""
-    STAGES: gl.constexpr = w_smem.type.shape[0]
-    nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + sz_desc.block_type.nbytes
-                            + xs_desc.block_type.nbytes)
-    first = gl.minimum(n_g, STAGES)
+def _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes: gl.constexpr, pdl):
+    """The first ring's weights and scale/zero, then the programmatic-dependency wait (`pdl`): they depend on no
+    earlier kernel, so their DRAM latency overlaps the previous kernel and this grid's launch. -> groups issued."""
+    first = gl.minimum(n_g, w_smem.type.shape[0])
     for g in range(first):
         _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
     if pdl:
         _gdc_wait()
+    return first
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl):
+    """One warp: each group's copies into its stage once the consumers released the stage's previous group; x
+    and X (the prep kernel's output) only after `_first_ring`'s wait.
+    (Worker partitions take no constexpr arguments: the sizes come from the descriptors and buffers.)"""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
+    nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + sz_desc.block_type.nbytes
+                            + xs_desc.block_type.nbytes)
+    first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
     for g in range(first):
         _issue_x(x_desc, xs_desc, full.index(g), x_smem.index(g), xs_smem.index(g), g0 + g)
     for g in range(first, n_g):
@@ -203,11 +210,7 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
     DEPTH: gl.constexpr = staging.type.shape[0] - 1
     layout: gl.constexpr = _x_words(staging.type.shape[2])
     nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
-    first = gl.minimum(n_g, STAGES)
-    for g in range(first):
-        _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
-    if pdl:
-        _gdc_wait()
+    _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
     for g in gl.static_range(DEPTH):
         _copy_x(xw_ptr, stride_xw, M, g0 + g, g < n_g, staging.index(g))
     for g in range(n_g):
