@@ -79,6 +79,7 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
+DIAG = dict(hot=0, nomma=False, pipe=0)  # temporary (bench/diag_int4.py)
 
 
 @gluon.jit
@@ -227,8 +228,17 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
 
 
 @gluon.jit
+def _weights(full, w_smem, g, words: gl.constexpr, a_l: gl.constexpr):
+    """Group g's weights, once its stage is full, as the product's A operand (registers)."""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
+    st = g % STAGES
+    mbarrier.wait(full.index(st), (g // STAGES) & 1)
+    return _a_operand(w_smem.index(st).load(words), w_smem.type.shape[1], w_smem.type.shape[2] * 8, a_l)
+
+
+@gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, DIAG_NOMMA: gl.constexpr, PIPE: gl.constexpr):
     """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
     W: gl.constexpr = GROUP // 8
     # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
@@ -241,19 +251,60 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    for g in range(n_g):
-        st = g % STAGES
-        mbarrier.wait(full.index(st), (g // STAGES) & 1)
-        w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
-        sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
-        x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
-        s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
-        zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
-        part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-        part, w = warpgroup_mma_wait(0, deps=(part, w))
-        # the product is complete, so every warp has issued it and every warp's reads of the stage are done
-        mbarrier.arrive(empty.index(st), count=1)
-        acc = acc + s[:, None] * (part - zx)
+    if PIPE:
+        HALF: gl.constexpr = GROUP // 2
+        for g in range(n_g):
+            st = g % STAGES
+            mbarrier.wait(full.index(st), (g // STAGES) & 1)
+            x_s = x_smem.index(st)
+            if PIPE == 2:
+                wd = gl.permute(gl.reshape(w_smem.index(st).load(words), [BLOCK_N, 4, 2, 2]), [0, 1, 3, 2])
+                lo, hi = gl.split(wd)  # words 4t + v with v < 2: k pairs 0..31; v >= 2: 32..63 (see _a_operand)
+                a0 = _a_operand(gl.reshape(lo, [BLOCK_N, W // 2]), BLOCK_N, HALF, a_l)
+                part = warpgroup_mma(a0, x_s.slice(0, HALF, dim=1).permute((1, 0)), zero, use_acc=False,
+                                     is_async=True)
+                a1 = _a_operand(gl.reshape(hi, [BLOCK_N, W // 2]), BLOCK_N, HALF, a_l)
+                part = warpgroup_mma(a1, x_s.slice(HALF, HALF, dim=1).permute((1, 0)), part, is_async=True)
+            else:
+                Q: gl.constexpr = GROUP // 4
+                e, o = gl.split(gl.reshape(w_smem.index(st).load(words), [BLOCK_N, 4, 2, 2]))
+                v0, v2 = gl.split(e)
+                v1, v3 = gl.split(o)  # word 4t + v: k pairs 16v .. 16v + 15
+                a0 = _a_operand(v0, BLOCK_N, Q, a_l)
+                part = warpgroup_mma(a0, x_s.slice(0, Q, dim=1).permute((1, 0)), zero, use_acc=False,
+                                     is_async=True)
+                a1 = _a_operand(v1, BLOCK_N, Q, a_l)
+                part = warpgroup_mma(a1, x_s.slice(Q, Q, dim=1).permute((1, 0)), part, is_async=True)
+                a0 = _a_operand(v2, BLOCK_N, Q, a_l)
+                part = warpgroup_mma(a0, x_s.slice(2 * Q, Q, dim=1).permute((1, 0)), part, is_async=True)
+                a1 = _a_operand(v3, BLOCK_N, Q, a_l)
+                part = warpgroup_mma(a1, x_s.slice(3 * Q, Q, dim=1).permute((1, 0)), part, is_async=True)
+            sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
+            x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(
+                gl.SliceLayout(0, mma))
+            part, a0, a1 = warpgroup_mma_wait(0, deps=(part, a0, a1))
+            mbarrier.arrive(empty.index(st), count=1)
+            s = (sz << 16).to(gl.float32, bitcast=True)
+            zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
+            acc = acc + s[:, None] * (part - zx)
+    else:
+        for g in range(n_g):
+            st = g % STAGES
+            mbarrier.wait(full.index(st), (g // STAGES) & 1)
+            if DIAG_NOMMA:
+                mbarrier.arrive(empty.index(st), count=1)
+            else:
+                w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
+                sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
+                x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(
+                    gl.SliceLayout(0, mma))
+                s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
+                zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
+                part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+                part, w = warpgroup_mma_wait(0, deps=(part, w))
+                # the product is complete, so every warp has issued it and every warp's reads of the stage are done
+                mbarrier.arrive(empty.index(st), count=1)
+                acc = acc + s[:, None] * (part - zx)
     return (acc,)  # (a partition returns a tuple)
 
 
@@ -261,7 +312,8 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, DIAG_HOT: gl.constexpr = 0,
+                    DIAG_NOMMA: gl.constexpr = False, PIPE: gl.constexpr = 0):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None). TRIGGER: the next
     kernel, if it is a programmatic dependent, may be scheduled as soon as every program has started."""
@@ -272,6 +324,9 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     n0 = pid_n * BLOCK_N
+    nw0 = n0
+    if DIAG_HOT:
+        nw0 = (pid_n % DIAG_HOT) * BLOCK_N
     n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
     g0 = pid_k * n_g
 
@@ -286,17 +341,19 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         mbarrier.init(empty.index(i), count=1)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
-            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M,
+                         DIAG_NOMMA, PIPE)),
+            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, nw0, g0,
                          n_g, PDL)),
         ], [1], [REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, BLOCK_M, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M,
+                         DIAG_NOMMA, PIPE)),
             (_producer_x, (w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem,
-                           staging, n0, g0, n_g, PDL)),
+                           staging, nw0, g0, n_g, PDL)),
         ], [1], [REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
@@ -408,7 +465,9 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
-                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, num_warps=4,
+                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger,
+                                           DIAG_HOT=DIAG["hot"], DIAG_NOMMA=DIAG["nomma"], PIPE=DIAG["pipe"],
+                                           num_warps=4,
                                            maxnreg=regs, launch_pdl=follows if x_depth else pdl)
     note_launch(x.device, trigger)
     return y
