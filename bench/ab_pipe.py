@@ -19,8 +19,18 @@ from bench.kernels import (GEMM_SHAPES, copies_for, gemm_floor_bytes, gemm_opera
 from kernels import int4_gemm as G
 from kernels import int4_gluon
 
-VARIANTS = {"p0": dict(pipe=0), "p2": dict(pipe=2), "p4": dict(pipe=4)}
-STAGE_VARIANTS = {"p4s6": (dict(pipe=4), 6)}
+# name: (DIAG, stages or None for the shipped config)
+VARIANTS = {"std": (dict(pipe=0, tiled=False), None), "tiled": (dict(pipe=0, tiled=True), None),
+            "tiled_p2": (dict(pipe=2, tiled=True), None), "tiled_s6": (dict(pipe=0, tiled=True), 6),
+            "tiled_s3": (dict(pipe=0, tiled=True), 3)}
+RESET = dict(pipe=0, tiled=False)
+
+
+def tiled(packed):
+    """[N, K/2] -> the same bytes as [N/64, K/128, 64, 64 B]: one contiguous 4 KB box per (column tile, group)."""
+    N, half_k = packed.shape
+    w = packed.view(torch.int32).reshape(N // 64, 64, half_k // 64, 16).permute(0, 2, 1, 3).contiguous()
+    return w.view(torch.uint8).view(N, half_k)
 
 
 def with_stages(K, N, stages):
@@ -37,16 +47,17 @@ def check():
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ w.T
             ys = {}
-            for name, d in VARIANTS.items():
+            tp = tiled(packed)
+            for name, (d, _) in VARIANTS.items():
                 int4_gluon.DIAG.update(d)
-                ys[name] = G.int4_mm(x, packed, sz, 128).clone()
-            int4_gluon.DIAG.update(pipe=0)
+                ys[name] = G.int4_mm(x, tp if d["tiled"] else packed, sz, 128).clone()
+            int4_gluon.DIAG.update(RESET)
             errs = {n: rel_err(y, ref) for n, y in ys.items()}
-            diff = {n: (y.float() - ys["p0"].float()).abs().max().item() for n, y in ys.items()}
-            out.append(dict(K=K, N=N, M=M, err=errs, maxdiff_vs_p0=diff))
+            diff = {n: (y.float() - ys["std"].float()).abs().max().item() for n, y in ys.items()}
+            out.append(dict(K=K, N=N, M=M, err=errs, maxdiff_vs_std=diff))
             ok = all(e < 4e-3 for e in errs.values())
-            print(f"check {K}x{N} M={M}: {'ok' if ok else 'FAIL'} " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()),
-                  flush=True)
+            print(f"check {K}x{N} M={M}: {'ok' if ok else 'FAIL'} " + " ".join(f"{n} {e:.2e}" for n, e in errs.items())
+                  + " maxdiff vs std " + " ".join(f"{n} {d:.1e}" for n, d in diff.items()), flush=True)
     return out
 
 
@@ -55,26 +66,28 @@ def timings(bw, rounds=2):
     for K, N in GEMM_SHAPES:
         copies = copies_for(N * K / 2)
         ops = gemm_operands(K, N, 128, copies)
+        tops = [(tiled(p), sz) for p, sz in ops]
         for M in (1, 8):
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
             floor = gemm_floor_bytes(M, K, N, 128) / bw * 1e6
             res = {}
             for _ in range(rounds):
-                for name, d in list(VARIANTS.items()) + [(n, v[0]) for n, v in STAGE_VARIANTS.items()]:
+                for name, (d, stages) in VARIANTS.items():
                     int4_gluon.DIAG.update(d)
                     saved = int4_gluon.CONFIGS[(K, N)]
-                    if name in STAGE_VARIANTS:
-                        int4_gluon.CONFIGS[(K, N)] = with_stages(K, N, STAGE_VARIANTS[name][1])
-                    t = time_calls([lambda i=i: G.int4_mm(xs[i], *ops[i], 128) for i in range(copies)])
-                    a = time_calls([lambda i=i: int4_mm_alone(xs[i], *ops[i], 128) for i in range(copies)])
+                    if stages:
+                        int4_gluon.CONFIGS[(K, N)] = with_stages(K, N, stages)
+                    o = tops if d["tiled"] else ops
+                    t = time_calls([lambda i=i: G.int4_mm(xs[i], *o[i], 128) for i in range(copies)])
+                    a = time_calls([lambda i=i: int4_mm_alone(xs[i], *o[i], 128) for i in range(copies)])
                     int4_gluon.CONFIGS[(K, N)] = saved
                     res.setdefault(name, []).append(t)
                     res.setdefault(name + " alone", []).append(a)
-            int4_gluon.DIAG.update(pipe=0)
+            int4_gluon.DIAG.update(RESET)
             rows.append(dict(K=K, N=N, M=M, floor=floor, times=res))
             print(f"{K}x{N} M={M} floor {floor:.1f}: " + "  ".join(f"{n} {min(v):.1f} ({floor / min(v):.2f})"
                                                               for n, v in res.items()), flush=True)
-        del ops
+        del ops, tops
         torch.cuda.empty_cache()
     return rows
 

@@ -79,7 +79,7 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
-DIAG = dict(hot=0, nomma=False, pipe=0)  # temporary (bench/diag_int4.py)
+DIAG = dict(hot=0, nomma=False, pipe=0, tiled=False)  # temporary (bench/diag_int4.py)
 
 
 @gluon.jit
@@ -117,9 +117,12 @@ def _gdc_launch():
 
 
 @gluon.jit
-def _issue_weights(w_desc, sz_desc, bar, w_s, sz_s, n0, g, nbytes: gl.constexpr):
+def _issue_weights(w_desc, sz_desc, bar, w_s, sz_s, n0, g, nbytes: gl.constexpr, wb=0, ws=0):
     mbarrier.expect(bar, nbytes)  # every TMA byte of the stage (with the prep kernel, x's and X's copies too)
-    tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
+    if ws == 0:
+        tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
+    else:
+        tma.async_copy_global_to_shared(w_desc, [wb + g * ws, 0], bar, w_s)
     tma.async_copy_global_to_shared(sz_desc, [g, n0], bar, sz_s)
 
 
@@ -130,32 +133,35 @@ def _issue_x(x_desc, xs_desc, bar, x_s, xs_s, g):
 
 
 @gluon.jit
-def _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes: gl.constexpr, pdl):
+def _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes: gl.constexpr, pdl, wb, ws):
     """The first ring's weights and scale/zero, then the programmatic-dependency wait (`pdl`): they depend on no
     earlier kernel, so their DRAM latency overlaps the previous kernel and this grid's launch. -> groups issued."""
     first = gl.minimum(n_g, w_smem.type.shape[0])
     for g in range(first):
-        _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
+        _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes, wb,
+                       ws)
     if pdl:
         _gdc_wait()
     return first
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl):
+def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl,
+              wb, ws):
     """One warp: each group's copies into its stage once the consumers released the stage's previous group; x
     and X (the prep kernel's output) only after `_first_ring`'s wait.
     (Worker partitions take no constexpr arguments: the sizes come from the descriptors and buffers.)"""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + sz_desc.block_type.nbytes
                             + xs_desc.block_type.nbytes)
-    first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
+    first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl, wb, ws)
     for g in range(first):
         _issue_x(x_desc, xs_desc, full.index(g), x_smem.index(g), xs_smem.index(g), g0 + g)
     for g in range(first, n_g):
         st = g % STAGES
         mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
-        _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
+        _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes,
+                       wb, ws)
         _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
 
 
@@ -204,14 +210,14 @@ def _stage_x(xw, bar, x_s, xs_s):
 
 @gluon.jit
 def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem, staging,
-                n0, g0, n_g, pdl):
+                n0, g0, n_g, pdl, wb, ws):
     """One warp, no prep kernel: the weights as in `_producer`; x by cp.async into a staging ring DEPTH groups
     ahead, then permuted from there into the stage with its sums (`_stage_x`)."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     DEPTH: gl.constexpr = staging.type.shape[0] - 1
     layout: gl.constexpr = _x_words(staging.type.shape[2])
     nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
-    _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
+    _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl, wb, ws)
     for g in gl.static_range(DEPTH):
         _copy_x(xw_ptr, stride_xw, M, g0 + g, g < n_g, staging.index(g))
     for g in range(n_g):
@@ -219,7 +225,8 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
         _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH, g + DEPTH < n_g, staging.index((g + DEPTH) % (DEPTH + 1)))
         if g >= STAGES:
             mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
-            _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
+            _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes,
+                           wb, ws)
         async_copy.wait_group(DEPTH)
         gl.thread_barrier()  # every lane's copy of group g has landed
         xw = staging.index(g % (DEPTH + 1)).load(layout)
@@ -313,7 +320,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
                     X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, DIAG_HOT: gl.constexpr = 0,
-                    DIAG_NOMMA: gl.constexpr = False, PIPE: gl.constexpr = 0):
+                    DIAG_NOMMA: gl.constexpr = False, PIPE: gl.constexpr = 0, TILED: gl.constexpr = False):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None). TRIGGER: the next
     kernel, if it is a programmatic dependent, may be scheduled as soon as every program has started."""
@@ -327,6 +334,11 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     nw0 = n0
     if DIAG_HOT:
         nw0 = (pid_n % DIAG_HOT) * BLOCK_N
+    wb = 0
+    ws = 0
+    if TILED:  # weights stored [N/64, K/g, 64, g/2]: each (tile, group) box is 4 contiguous KB
+        wb = pid_n * (K // GROUP) * BLOCK_N
+        ws = BLOCK_N
     n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
     g0 = pid_k * n_g
 
@@ -344,7 +356,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M,
                          DIAG_NOMMA, PIPE)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, nw0, g0,
-                         n_g, PDL)),
+                         n_g, PDL, wb, ws)),
         ], [1], [REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, BLOCK_M, GROUP // 2],
@@ -353,7 +365,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M,
                          DIAG_NOMMA, PIPE)),
             (_producer_x, (w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem,
-                           staging, nw0, g0, n_g, PDL)),
+                           staging, nw0, g0, n_g, PDL, wb, ws)),
         ], [1], [REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
@@ -449,7 +461,8 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     trigger = pdl and triggers(N, split, x.device)  # the overlap mode (module docstring)
     follows = pdl and last_launch_triggers(x.device)  # the call's first kernel launched as a dependent
     w_layout, x_layout, words = _shared_layouts(block_m)
-    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
+    wv = packed.view(torch.int32).reshape(-1, GROUP // 8) if DIAG["tiled"] else packed.view(torch.int32)
+    w_desc = TensorDescriptor.from_tensor(wv, [BLOCK_N, GROUP // 8], w_layout)
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
     if x_depth:
         x_desc = xs_desc = None
@@ -466,7 +479,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger,
-                                           DIAG_HOT=DIAG["hot"], DIAG_NOMMA=DIAG["nomma"], PIPE=DIAG["pipe"],
+                                           DIAG_HOT=DIAG["hot"], DIAG_NOMMA=DIAG["nomma"], PIPE=DIAG["pipe"], TILED=DIAG["tiled"],
                                            num_warps=4,
                                            maxnreg=regs, launch_pdl=follows if x_depth else pdl)
     note_launch(x.device, trigger)
