@@ -1,5 +1,6 @@
-"""Temporary A/B (eighth session): the consumer's product issued in parts, each part's unpack overlapping the
-previous part's wgmma (int4_gluon.DIAG['pipe'] = 2 or 4), against the shipped loop (0).
+"""Temporary A/B (eighth session): the block's registers. Gluon pads the 1-warp producer partition to a warp group,
+so a program is 8 warps and at 64 registers only 4 fit an SM; at 48 (the producer at 24, the consumer raised to 72
+by setmaxnreg) 5 fit. Earlier versions of this harness (git history) tried the product in parts and a tiled layout.
 
     python3 -m bench.ab_pipe --out $OUT/ab_pipe.json
 
@@ -10,6 +11,7 @@ M = 1 and 8, back to back (as bench.kernels' `ours`) and `alone`, variants inter
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -19,23 +21,26 @@ from bench.kernels import (GEMM_SHAPES, copies_for, gemm_floor_bytes, gemm_opera
 from kernels import int4_gemm as G
 from kernels import int4_gluon
 
-# name: (DIAG, stages or None for the shipped config)
-VARIANTS = {"std": (dict(pipe=0, tiled=False), None), "tiled": (dict(pipe=0, tiled=True), None),
-            "tiled_p2": (dict(pipe=2, tiled=True), None), "tiled_s6": (dict(pipe=0, tiled=True), 6),
-            "tiled_s3": (dict(pipe=0, tiled=True), 3)}
-RESET = dict(pipe=0, tiled=False)
+# name: (DIAG, config override {(K, N): config} or {} for the shipped configs); kernel registers / producer's
+VARIANTS = {"r64": (dict(worker=0), {}), "r64w24": (dict(worker=24), {}),
+            "r48w24": (dict(worker=24), "regs48"),
+            "r48w24split": (dict(worker=24), {(21504, 5376): (7, 6, 48), (5376, 21504): (2, 4, 48)}),
+            }
+RESET = dict(worker=0)
 
 
-def tiled(packed):
-    """[N, K/2] -> the same bytes as [N/64, K/128, 64, 64 B]: one contiguous 4 KB box per (column tile, group)."""
-    N, half_k = packed.shape
-    w = packed.view(torch.int32).reshape(N // 64, 64, half_k // 64, 16).permute(0, 2, 1, 3).contiguous()
-    return w.view(torch.uint8).view(N, half_k)
-
-
-def with_stages(K, N, stages):
-    cfg = int4_gluon.CONFIGS[(K, N)]
-    return (cfg[0], stages, *cfg[2:])
+@contextlib.contextmanager
+def configs(over):
+    """int4_gluon.CONFIGS with `over` (or every config at 48 registers: "regs48") for the duration."""
+    saved = dict(int4_gluon.CONFIGS)
+    if over == "regs48":
+        over = {k: (c[0], c[1], 48, *c[3:]) for k, c in saved.items() if c and not c[3:]}
+    int4_gluon.CONFIGS.update(over)
+    try:
+        yield
+    finally:
+        int4_gluon.CONFIGS.clear()
+        int4_gluon.CONFIGS.update(saved)
 
 
 def check():
@@ -47,17 +52,17 @@ def check():
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ w.T
             ys = {}
-            tp = tiled(packed)
             for name, (d, _) in VARIANTS.items():
                 int4_gluon.DIAG.update(d)
-                ys[name] = G.int4_mm(x, tp if d["tiled"] else packed, sz, 128).clone()
+                with configs(VARIANTS[name][1]):
+                    ys[name] = G.int4_mm(x, packed, sz, 128).clone()
             int4_gluon.DIAG.update(RESET)
             errs = {n: rel_err(y, ref) for n, y in ys.items()}
-            diff = {n: (y.float() - ys["std"].float()).abs().max().item() for n, y in ys.items()}
-            out.append(dict(K=K, N=N, M=M, err=errs, maxdiff_vs_std=diff))
+            diff = {n: (y.float() - ys["r64"].float()).abs().max().item() for n, y in ys.items()}
+            out.append(dict(K=K, N=N, M=M, err=errs, maxdiff_vs_r64=diff))
             ok = all(e < 4e-3 for e in errs.values())
             print(f"check {K}x{N} M={M}: {'ok' if ok else 'FAIL'} " + " ".join(f"{n} {e:.2e}" for n, e in errs.items())
-                  + " maxdiff vs std " + " ".join(f"{n} {d:.1e}" for n, d in diff.items()), flush=True)
+                  + " maxdiff vs r64 " + " ".join(f"{n} {d:.1e}" for n, d in diff.items()), flush=True)
     return out
 
 
@@ -66,28 +71,23 @@ def timings(bw, rounds=2):
     for K, N in GEMM_SHAPES:
         copies = copies_for(N * K / 2)
         ops = gemm_operands(K, N, 128, copies)
-        tops = [(tiled(p), sz) for p, sz in ops]
         for M in (1, 8):
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
             floor = gemm_floor_bytes(M, K, N, 128) / bw * 1e6
             res = {}
             for _ in range(rounds):
-                for name, (d, stages) in VARIANTS.items():
+                for name, (d, over) in VARIANTS.items():
                     int4_gluon.DIAG.update(d)
-                    saved = int4_gluon.CONFIGS[(K, N)]
-                    if stages:
-                        int4_gluon.CONFIGS[(K, N)] = with_stages(K, N, stages)
-                    o = tops if d["tiled"] else ops
-                    t = time_calls([lambda i=i: G.int4_mm(xs[i], *o[i], 128) for i in range(copies)])
-                    a = time_calls([lambda i=i: int4_mm_alone(xs[i], *o[i], 128) for i in range(copies)])
-                    int4_gluon.CONFIGS[(K, N)] = saved
+                    with configs(over):
+                        t = time_calls([lambda i=i: G.int4_mm(xs[i], *ops[i], 128) for i in range(copies)])
+                        a = time_calls([lambda i=i: int4_mm_alone(xs[i], *ops[i], 128) for i in range(copies)])
                     res.setdefault(name, []).append(t)
                     res.setdefault(name + " alone", []).append(a)
             int4_gluon.DIAG.update(RESET)
             rows.append(dict(K=K, N=N, M=M, floor=floor, times=res))
             print(f"{K}x{N} M={M} floor {floor:.1f}: " + "  ".join(f"{n} {min(v):.1f} ({floor / min(v):.2f})"
                                                               for n, v in res.items()), flush=True)
-        del ops, tops
+        del ops
         torch.cuda.empty_cache()
     return rows
 
