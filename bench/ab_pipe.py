@@ -100,5 +100,33 @@ if __name__ == "__main__":
     result = dict(check=check())
     json.dump(result, open(a.out, "w"), indent=1)
     bw = measure_bandwidth()["sm_copy"]
-    result.update(bw=bw, rows=timings(bw))
+    result.update(bw=bw, small=small(bw))
     json.dump(result, open(a.out, "w"), indent=1)
+    result.update(rows=timings(bw))
+    json.dump(result, open(a.out, "w"), indent=1)
+
+
+SMALL = [(8, 4, 64, 2), (8, 3, 64, 2), (8, 2, 64, 2), (8, 3, 64, 1), (4, 3, 64, 2), (4, 2, 64, 2)]
+
+
+def small(bw, rounds=3):
+    """4096x4096 at M = 1, 2, 4: one-launch configs against torch's int4 GEMM, interleaved over rounds."""
+    from bench.kernels import tinygemm_mm, to_tinygemm, TINYGEMM_EVEN_HIGH
+    K = N = 4096
+    copies = copies_for(N * K / 2)
+    ops = gemm_operands(K, N, 128, copies)
+    tg = [to_tinygemm(*o, 128, TINYGEMM_EVEN_HIGH) for o in ops]
+    rows = []
+    for M in (1, 2, 4):
+        xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+        res = {}
+        for _ in range(rounds):
+            res.setdefault("torch", []).append(time_calls([lambda i=i: tinygemm_mm(xs[i], *tg[i], 128)
+                                                           for i in range(copies)]))
+            for cfg in SMALL:
+                with configs({(K, N): cfg}):
+                    res.setdefault(str(cfg), []).append(time_calls([lambda i=i: G.int4_mm(xs[i], *ops[i], 128)
+                                                                    for i in range(copies)]))
+        rows.append(dict(M=M, times=res))
+        print(f"small 4096x4096 M={M}: " + "  ".join(f"{n} {min(v):.2f}" for n, v in res.items()), flush=True)
+    return rows
