@@ -92,20 +92,6 @@ def timings(bw, rounds=2):
     return rows
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="ab_pipe.json")
-    a = p.parse_args()
-    torch.manual_seed(0)
-    result = dict(check=check())
-    json.dump(result, open(a.out, "w"), indent=1)
-    bw = measure_bandwidth()["sm_copy"]
-    result.update(bw=bw, small=small(bw))
-    json.dump(result, open(a.out, "w"), indent=1)
-    result.update(rows=timings(bw))
-    json.dump(result, open(a.out, "w"), indent=1)
-
-
 SMALL = [(8, 4, 64, 2), (8, 3, 64, 2), (8, 2, 64, 2), (8, 3, 64, 1), (4, 3, 64, 2), (4, 2, 64, 2)]
 
 
@@ -130,3 +116,17 @@ def small(bw, rounds=3):
         rows.append(dict(M=M, times=res))
         print(f"small 4096x4096 M={M}: " + "  ".join(f"{n} {min(v):.2f}" for n, v in res.items()), flush=True)
     return rows
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="ab_pipe.json")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    result = dict(check=check())
+    json.dump(result, open(a.out, "w"), indent=1)
+    bw = measure_bandwidth()["sm_copy"]
+    result.update(bw=bw, small=small(bw))
+    json.dump(result, open(a.out, "w"), indent=1)
+    result.update(rows=timings(bw))
+    json.dump(result, open(a.out, "w"), indent=1)
