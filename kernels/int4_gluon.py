@@ -79,7 +79,6 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
-DIAG = dict(worker=0)  # temporary (bench/ab_pipe.py): the producer partition's registers
 
 
 @gluon.jit
@@ -408,7 +407,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         xw = None
     _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
-                                           BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=(0 if x_depth else DIAG['worker']) or regs, PDL=pdl,
+                                           BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, num_warps=4,
                                            maxnreg=regs, launch_pdl=follows if x_depth else pdl)
     note_launch(x.device, trigger)
