@@ -10,8 +10,8 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
 - tune (--tune): a few launch configurations per GEMM shape and for SDPA, timed at M = 1 and 8; the
   winners are installed in kernels.int4_gemm.CONFIGS / kernels.sdpa_midm.CONFIG for the rest of the run
   and written to the JSON (copy them into the code); on Hopper also every split for kernels/int4_gluon.py,
-  with x from the prep kernel and staged in the kernel (one launch), whose CONFIGS get the shapes where it
-  beats the Triton kernel by more than 3% (None for the others);
+  with x from the prep kernel (4 or 6 stages) and staged in the kernel (one launch, 2 or 4 stages), whose
+  CONFIGS get the shapes where it beats the Triton kernel by more than 3% (None for the others);
 - gemm: K x N in the issue's shapes, M = 1..8: ours (group 128), torch `_weight_int4pack_mm` (group 128),
   bf16 cuBLAS (F.linear), and the floor = (packed weights + scales/zeros + x + y) bytes / copy bandwidth;
   ours also `alone`: each call as if a kernel not ours ran before it (no start during the previous call's
@@ -414,7 +414,8 @@ def section_tune():
         if int4_gluon.usable(xs[1][0]):  # the Gluon path: every split, x from the prep kernel or staged in it
             groups, rows_gl = K // int4_gluon.GROUP, {}
             for split in [d for d in range(1, int4_gluon.MAX_SPLIT + 1) if groups % d == 0 and groups // d >= 2]:
-                for cfg in ((split, 4, 64), (split, 4, 64, 2)):
+                # stages: 4 or 6 with the prep kernel, 2 or 4 in one launch (bench/NOTES.md items 22, 23)
+                for cfg in ((split, 4, 64), (split, 6, 64), (split, 2, 64, 2), (split, 4, 64, 2)):
                     rows_gl[cfg] = [time_calls([lambda i=i, M=M, c=cfg: int4_gluon.launch(
                         xs[M][i], *ops[i], c) for i in range(copies)], reps=10) for M in (1, 8)]
             cfg = min(rows_gl, key=lambda c: max(rows_gl[c]))

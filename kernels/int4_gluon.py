@@ -16,8 +16,10 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
 - The weight words go from shared memory straight into the tensor-core fragment's registers: the words'
   layout (`words` in `_consumer`) is chosen so that the unpack, join and permutation produce exactly the wgmma A-operand
   layout (checked at compile time: `convert_layout(..., assert_trivial=True)`).
-- 64 registers per thread (no spills): 6 programs per SM instead of Triton's 5, which the tune showed to be
-  what the time depends on (80 registers: slower than Triton on every large shape; 64: faster on all).
+- 64 registers per thread (no spills; 80: slower than Triton on every large shape). Gluon pads the one-warp
+  producer partition to a warp group, so a program is 8 warps and 4 fit an SM (Nsight Compute, item 23); at 48
+  registers with the producer at 24, 5 fit, which loses in the overlap mode (more of the next call's programs
+  land greedily on the SMs that free first).
 - Under programmatic dependent launch (`int4_gemm.USE_PDL`) the programs start while the prep kernel runs and
   issue their first ring of weight and scale/zero copies before waiting for it (0.4-0.8 us a call, item 18).
   Overlap mode, for grids of >= TRIGGER_PER_SM programs per SM (item 22): the GEMM lets the next kernel launch
@@ -62,8 +64,8 @@ BLOCK_N = 64
 XS_WIDTH = gl.constexpr(32)  # floats per group in the X buffer (16 used): 128 bytes, the TMA destination alignment
 MAX_SPLIT = 16
 
-# (split, stages, registers[, x_depth]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17, 21 and
-# 22; calls 37, 51 and 59-61), for the shapes where this path beat kernels/int4_gemm.py (None: a shape it did
+# (split, stages, registers[, x_depth]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17, 21, 22
+# and 23; calls 37, 51, 59-61 and 73), for the shapes where this path beat kernels/int4_gemm.py (None: a shape it did
 # not; `bench.kernels --tune` redoes it); x_depth > 0: x staged by the kernel itself, one launch, at M <= 8.
 # Other shapes: `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {
@@ -74,7 +76,7 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (8192, 28672): (1, 4, 64),
     (4096, 128256): (1, 4, 64),  # Llama-3-8B lm_head
     (4096, 28672): (1, 4, 64),   # fused gate|up
-    (4096, 4096): (8, 4, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 4, 64, 2),
+    (4096, 4096): (8, 2, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 2, 64, 2),  # 2 stages: item 23
 }
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).

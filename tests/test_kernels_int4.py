@@ -149,7 +149,7 @@ HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 @pytest.mark.parametrize("K,N,expected,above_8", [
     (8192, 28672, (1, 4, 64), (1, 4, 64)),   # tuned: 448 column tiles, K unsplit
     (21504, 5376, (6, 6, 64), (6, 6, 64)),   # tuned
-    (4096, 4096, (8, 4, 64, 2), None),       # tuned: one launch at M <= 8; above, the Triton kernel
+    (4096, 4096, (8, 2, 64, 2), None),       # tuned: one launch at M <= 8 (2 stages); above, the Triton kernel
     (14336, 4096, (8, 4, 64, 2), (8, 4, 64)),  # tuned: one launch at M <= 8; above, the prep kernel
     (8192, 8192, (4, 4, 64), (4, 4, 64)),    # untuned, 64M weights: 128 tiles need 4 slices of 16 groups
     (4096, 16384, (1, 4, 64), (1, 4, 64)),   # untuned: 256 tiles >= 1.5 per SM (198), unsplit
@@ -172,7 +172,8 @@ def test_cpu_tensors_never_take_the_gluon_path():
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (TMA, wgmma)")
 @pytest.mark.parametrize("K,N,config", [(4096, 1024, (1, 4, 64)), (4096, 1024, (4, 3, 64)), (3072, 512, (3, 6, 64)),
-                                        (4096, 1024, (8, 4, 64, 2)), (3072, 512, (1, 3, 64, 3)), (8192, 8192, None),
+                                        (4096, 1024, (8, 4, 64, 2)), (4096, 1024, (8, 2, 64, 2)),
+                                        (3072, 512, (1, 3, 64, 3)), (8192, 8192, None),
                                         (4096, 4096, None)])
 def test_gpu_gluon_kernel_matches_reference(seed, K, N, config):
     """Every M in 1..16 (the 8- and 16-wide products), split-K with whole and partial waves, x from the prep
