@@ -81,7 +81,6 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
-DIAG = dict(consumers=1)  # temporary (bench/ab_consumers.py)
 
 
 @gluon.jit
@@ -230,14 +229,10 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
 
 
 @gluon.jit
-def _consume(full, empty, w_smem, x_smem, sz_smem, xs_smem, g_first, g_step, n_g):
-    """Groups g_first, g_first + g_step, ... < n_g: per group, the weights into the fragment, the product,
-    acc += s * (part - (z + 128) X). Sizes from the buffers (a worker partition takes no constexpr)."""
-    STAGES: gl.constexpr = w_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = w_smem.type.shape[1]
-    W: gl.constexpr = w_smem.type.shape[2]
-    BLOCK_M: gl.constexpr = x_smem.type.shape[1]
-    GROUP: gl.constexpr = x_smem.type.shape[2]
+def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
+    W: gl.constexpr = GROUP // 8
     # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
     # pairs of its wgmma A fragment once unpacked and permuted (see _a_operand)
     words: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
@@ -248,7 +243,7 @@ def _consume(full, empty, w_smem, x_smem, sz_smem, xs_smem, g_first, g_step, n_g
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    for g in range(g_first, n_g, g_step):
+    for g in range(n_g):
         st = g % STAGES
         mbarrier.wait(full.index(st), (g // STAGES) & 1)
         w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
@@ -261,36 +256,14 @@ def _consume(full, empty, w_smem, x_smem, sz_smem, xs_smem, g_first, g_step, n_g
         # the product is complete, so every warp has issued it and every warp's reads of the stage are done
         mbarrier.arrive(empty.index(st), count=1)
         acc = acc + s[:, None] * (part - zx)
-    return acc
-
-
-@gluon.jit
-def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, red, red_bar, CONSUMERS: gl.constexpr):
-    """The default partition (one warp group): every group, or with a second consumer the even ones, plus the
-    second consumer's sum (`red`, once `red_bar` completes)."""
-    acc = _consume(full, empty, w_smem, x_smem, sz_smem, xs_smem, 0, CONSUMERS, n_g)
-    if CONSUMERS == 2:
-        mbarrier.wait(red_bar, 0)
-        acc = acc + red.load(acc.type.layout)
     return (acc,)  # (a partition returns a tuple)
-
-
-@gluon.jit
-def _consumer_odd(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, red, red_bar):
-    """The second consumer warp group: the odd groups (each in a stage of its own parity, STAGES even); its sum
-    into `red` for the default partition."""
-    acc = _consume(full, empty, w_smem, x_smem, sz_smem, xs_smem, 1, 2, n_g)
-    red.store(acc)
-    gl.thread_barrier()  # every thread's store before the (elected, release) arrival
-    mbarrier.arrive(red_bar, count=1)
 
 
 @gluon.jit
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, CONSUMERS: gl.constexpr = 1,
-                    WORKER_REGS: gl.constexpr = 24):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None). TRIGGER: the next
     kernel, if it is a programmatic dependent, may be scheduled as soon as every program has started."""
@@ -313,21 +286,9 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 else 2)  # (+ the producer's store of x)
         mbarrier.init(empty.index(i), count=1)
-    if CONSUMERS == 2:
-        red = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M],
-                                        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-        red_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(red_bar, count=1)
+    if X_DEPTH == 0:
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, red, red_bar, 2)),
-            (_consumer_odd, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, red, red_bar)),
-            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
-                         n_g, PDL)),
-        ], [4, 1], [REGS, WORKER_REGS])
-        mbarrier.invalidate(red_bar)
-    elif X_DEPTH == 0:
-        acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, full, full, 1)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
                          n_g, PDL)),
         ], [1], [REGS])
@@ -335,7 +296,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, BLOCK_M, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, full, full, 1)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer_x, (w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem,
                            staging, n0, g0, n_g, PDL)),
         ], [1], [REGS])
@@ -427,7 +388,6 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     block_m = 8 if M <= 8 else 16
     x_depth = rest[0] if rest and block_m == 8 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else 0
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
-    consumers = DIAG["consumers"] if block_m == 8 and not x_depth else 1
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     pdl = int4_gemm.USE_PDL
@@ -451,7 +411,6 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, num_warps=4,
-                                           CONSUMERS=consumers, maxnreg=56 if consumers == 2 else regs,
-                                           launch_pdl=follows if x_depth else pdl)
+                                           maxnreg=regs, launch_pdl=follows if x_depth else pdl)
     note_launch(x.device, trigger)
     return y
