@@ -15,7 +15,9 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
 - gemm: K x N in the issue's shapes, M = 1..8: ours (group 128), torch `_weight_int4pack_mm` (group 128),
   bf16 cuBLAS (F.linear), and the floor = (packed weights + scales/zeros + x + y) bytes / copy bandwidth;
   ours also `alone`: each call as if a kernel not ours ran before it (no start during the previous call's
-  tail; kernels/int4_gluon.py, overlap mode), as after torch's ops in a model;
+  tail; kernels/int4_gluon.py, overlap mode), as after torch's ops in a model; and `read`: one launch that
+  only reads the weights' bytes (a plain read kernel or torch's sum, the faster), what the floor's bytes cost
+  in one launch without any arithmetic;
 - sdpa: L in {4096, 32768, 131072}, M = 1..8, Hq 32 / Hkv 8 / D 128: ours, torch SDPA with the same bool
   mask (enable_gqa), the floor = K+V bytes / copy bandwidth;
 - model: Llama-3-8B shapes with random weights, CUDA-graph replays of the cached forward at 4096 and 32768
@@ -40,6 +42,8 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from kernels import int4_gemm as G
 from kernels import int4_gluon
@@ -363,6 +367,44 @@ def gemm_floor_bytes(M, K, N, group):
     return N * K / 2 + 2 * (K // group) * N * 2 + M * K * 2 + M * N * 2
 
 
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, words_per_program, BLOCK: tl.constexpr):
+    """Sums one contiguous chunk of int32 words per program: nothing but a read of the bytes."""
+    base = tl.program_id(0).to(tl.int64) * words_per_program
+    acc = tl.zeros([BLOCK], tl.int32)
+    for off in range(0, words_per_program, BLOCK):
+        acc += tl.load(x_ptr + base + off + tl.arange(0, BLOCK), cache_modifier=".cg")
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+READ_BLOCK = 4096  # int32 words per program and iteration (16 KB; 8 warps: four 16-byte loads a thread)
+
+
+def read_ceiling(nbytes: int, copies: int) -> dict:
+    """What one launch that only reads `nbytes` costs back to back (rotating copies > L2, as the GEMMs are
+    timed): the fastest of the read kernel above at 4, 8 and 16 programs per SM and torch's sum. The floor
+    counts bytes at the copy bandwidth of 2 GiB; a one-wave read of tens of MB also pays the launch, the
+    first requests' latency and the tail, and this is that cost with no arithmetic at all."""
+    sms = RESULTS["env"]["sms"]
+    out = torch.empty(16 * sms, dtype=torch.int32, device="cuda")
+    times = {}
+    for per_sm in (4, 8, 16):
+        programs = per_sm * sms
+        per = math.ceil(nbytes / 4 / programs / READ_BLOCK) * READ_BLOCK
+        bufs = [torch.randint(0, 1 << 20, (programs * per,), dtype=torch.int32, device="cuda") for _ in range(copies)]
+        _read_kernel[(programs,)](bufs[0], out, per, BLOCK=READ_BLOCK, num_warps=8)  # it reads every word
+        assert torch.equal(out[:programs].long() & 0xFFFFFFFF, bufs[0].view(programs, per).sum(1) & 0xFFFFFFFF)
+        times[f"read kernel, {per_sm} per SM"] = time_calls(
+            [lambda b=b: _read_kernel[(programs,)](b, out, per, BLOCK=READ_BLOCK, num_warps=8) for b in bufs])
+        del bufs
+    bufs = [torch.randn(nbytes // 2, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+    times["torch.sum"] = time_calls([lambda b=b: b.sum() for b in bufs])
+    del bufs
+    torch.cuda.empty_cache()
+    best = min(times, key=times.get)
+    return dict(read_us=times[best], read_how=best, read_all=times)
+
+
 # (BLOCK_N, BLOCK_K, warps, stages[, register cap]); SPLIT_K in {1, 2, 4, 8} is added per shape
 GEMM_CANDIDATES = [
     (64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4), (64, 512, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3),
@@ -469,6 +511,9 @@ def section_gemm():
         tg = [to_tinygemm(*o, 128, TINYGEMM_EVEN_HIGH) for o in ops]
         nb = max(2, copies_for(N * K * 2) )
         wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
+        read = read_ceiling(N * K // 2 + 2 * (K // 128) * N * 2, copies)  # the weights' bytes, M-independent
+        log(f"read {K}x{N}: {read['read_us']:.1f} us ({read['read_how']}); " +
+            ", ".join(f"{k} {v:.1f}" for k, v in read["read_all"].items()))
         for M in MS:
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(max(copies, nb))]
             ours = time_calls([lambda i=i: G.int4_mm(xs[i], *ops[i], 128) for i in range(copies)])
@@ -477,7 +522,7 @@ def section_gemm():
             dense = time_calls([lambda i=i: F.linear(xs[i], wb[i]) for i in range(nb)])
             floor = gemm_floor_bytes(M, K, N, 128) / bw * 1e6
             row = dict(K=K, N=N, M=M, ours_us=ours, ours_alone_us=alone, torch_int4_us=peer, bf16_us=dense,
-                       floor_us=floor, floor_frac=floor / ours, config=gemm_path(K, N))
+                       floor_us=floor, floor_frac=floor / ours, read_us=read["read_us"], config=gemm_path(K, N))
             rows.append(row)
             log(f"gemm {K}x{N} M={M}: ours {ours:.1f} (alone {alone:.1f}) torch-int4 {peer:.1f} bf16 {dense:.1f} "
                 f"floor {floor:.1f} ({floor / ours:.2f})")
@@ -755,12 +800,14 @@ def section_model():
 def print_tables():
     if "gemm" in RESULTS:
         log("\nGEMM (us; group 128; floor_frac = floor/ours)")
-        log(f"{'K x N':>13} {'M':>2} {'ours':>7} {'alone':>7} {'t-int4':>7} {'bf16':>7} {'floor':>6} {'frac':>5}")
+        log(f"{'K x N':>13} {'M':>2} {'ours':>7} {'alone':>7} {'t-int4':>7} {'bf16':>7} {'floor':>6} {'frac':>5} "
+            f"{'read':>6} {'floor/read':>10}")
         for r in RESULTS["gemm"]:
             if r.get("group") == 32:
                 continue
             log(f"{r['K']:>6}x{r['N']:<6} {r['M']:>2} {r['ours_us']:7.1f} {r['ours_alone_us']:7.1f} "
-                f"{r['torch_int4_us']:7.1f} {r['bf16_us']:7.1f} {r['floor_us']:6.1f} {r['floor_frac']:5.2f}")
+                f"{r['torch_int4_us']:7.1f} {r['bf16_us']:7.1f} {r['floor_us']:6.1f} {r['floor_frac']:5.2f} "
+                f"{r['read_us']:6.1f} {r['floor_us'] / r['read_us']:10.2f}")
     if "sdpa" in RESULTS:
         log("\nSDPA (us; Hq 32, Hkv 8, D 128)")
         log(f"{'L':>7} {'M':>2} {'ours':>7} {'torch':>8} {'floor':>6} {'frac':>5} {'speedup':>7}")
