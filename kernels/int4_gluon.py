@@ -16,8 +16,10 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
 - The weight words go from shared memory straight into the tensor-core fragment's registers: the words'
   layout (`words` in `_consumer`) is chosen so that the unpack, join and permutation produce exactly the wgmma A-operand
   layout (checked at compile time: `convert_layout(..., assert_trivial=True)`).
-- 64 registers per thread (no spills): 6 programs per SM instead of Triton's 5, which the tune showed to be
-  what the time depends on (80 registers: slower than Triton on every large shape; 64: faster on all).
+- 64 registers per thread (no spills; 80: slower than Triton on every large shape). Gluon pads the one-warp
+  producer partition to a warp group, so a program is 8 warps and 4 fit an SM (Nsight Compute, item 23); at 48
+  registers with the producer at 24, 5 fit, which loses in the overlap mode (more of the next call's programs
+  land greedily on the SMs that free first).
 - Under programmatic dependent launch (`int4_gemm.USE_PDL`) the programs start while the prep kernel runs and
   issue their first ring of weight and scale/zero copies before waiting for it (0.4-0.8 us a call, item 18).
   Overlap mode, for grids of >= TRIGGER_PER_SM programs per SM (item 22): the GEMM lets the next kernel launch
@@ -62,8 +64,8 @@ BLOCK_N = 64
 XS_WIDTH = gl.constexpr(32)  # floats per group in the X buffer (16 used): 128 bytes, the TMA destination alignment
 MAX_SPLIT = 16
 
-# (split, stages, registers[, x_depth]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17, 21 and
-# 22; calls 37, 51 and 59-61), for the shapes where this path beat kernels/int4_gemm.py (None: a shape it did
+# (split, stages, registers[, x_depth]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17, 21, 22
+# and 23; calls 37, 51, 59-61 and 73), for the shapes where this path beat kernels/int4_gemm.py (None: a shape it did
 # not; `bench.kernels --tune` redoes it); x_depth > 0: x staged by the kernel itself, one launch, at M <= 8.
 # Other shapes: `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {
@@ -74,12 +76,11 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (8192, 28672): (1, 4, 64),
     (4096, 128256): (1, 4, 64),  # Llama-3-8B lm_head
     (4096, 28672): (1, 4, 64),   # fused gate|up
-    (4096, 4096): (8, 4, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 4, 64, 2),
+    (4096, 4096): (8, 2, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 2, 64, 2),  # 2 stages: item 23
 }
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
-DIAG = dict(hot=0, nomma=False, pipe=0, tiled=False)  # temporary (bench/diag_int4.py)
 
 
 @gluon.jit
@@ -117,12 +118,9 @@ def _gdc_launch():
 
 
 @gluon.jit
-def _issue_weights(w_desc, sz_desc, bar, w_s, sz_s, n0, g, nbytes: gl.constexpr, wb=0, ws=0):
+def _issue_weights(w_desc, sz_desc, bar, w_s, sz_s, n0, g, nbytes: gl.constexpr):
     mbarrier.expect(bar, nbytes)  # every TMA byte of the stage (with the prep kernel, x's and X's copies too)
-    if ws == 0:
-        tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
-    else:
-        tma.async_copy_global_to_shared(w_desc, [wb + g * ws, 0], bar, w_s)
+    tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
     tma.async_copy_global_to_shared(sz_desc, [g, n0], bar, sz_s)
 
 
@@ -133,35 +131,32 @@ def _issue_x(x_desc, xs_desc, bar, x_s, xs_s, g):
 
 
 @gluon.jit
-def _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes: gl.constexpr, pdl, wb, ws):
+def _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes: gl.constexpr, pdl):
     """The first ring's weights and scale/zero, then the programmatic-dependency wait (`pdl`): they depend on no
     earlier kernel, so their DRAM latency overlaps the previous kernel and this grid's launch. -> groups issued."""
     first = gl.minimum(n_g, w_smem.type.shape[0])
     for g in range(first):
-        _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes, wb,
-                       ws)
+        _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
     if pdl:
         _gdc_wait()
     return first
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl,
-              wb, ws):
+def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl):
     """One warp: each group's copies into its stage once the consumers released the stage's previous group; x
     and X (the prep kernel's output) only after `_first_ring`'s wait.
     (Worker partitions take no constexpr arguments: the sizes come from the descriptors and buffers.)"""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + sz_desc.block_type.nbytes
                             + xs_desc.block_type.nbytes)
-    first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl, wb, ws)
+    first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
     for g in range(first):
         _issue_x(x_desc, xs_desc, full.index(g), x_smem.index(g), xs_smem.index(g), g0 + g)
     for g in range(first, n_g):
         st = g % STAGES
         mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
-        _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes,
-                       wb, ws)
+        _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
         _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
 
 
@@ -210,14 +205,14 @@ def _stage_x(xw, bar, x_s, xs_s):
 
 @gluon.jit
 def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem, staging,
-                n0, g0, n_g, pdl, wb, ws):
+                n0, g0, n_g, pdl):
     """One warp, no prep kernel: the weights as in `_producer`; x by cp.async into a staging ring DEPTH groups
     ahead, then permuted from there into the stage with its sums (`_stage_x`)."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     DEPTH: gl.constexpr = staging.type.shape[0] - 1
     layout: gl.constexpr = _x_words(staging.type.shape[2])
     nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
-    _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl, wb, ws)
+    _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
     for g in gl.static_range(DEPTH):
         _copy_x(xw_ptr, stride_xw, M, g0 + g, g < n_g, staging.index(g))
     for g in range(n_g):
@@ -225,8 +220,7 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
         _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH, g + DEPTH < n_g, staging.index((g + DEPTH) % (DEPTH + 1)))
         if g >= STAGES:
             mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
-            _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes,
-                           wb, ws)
+            _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
         async_copy.wait_group(DEPTH)
         gl.thread_barrier()  # every lane's copy of group g has landed
         xw = staging.index(g % (DEPTH + 1)).load(layout)
@@ -235,17 +229,8 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
 
 
 @gluon.jit
-def _weights(full, w_smem, g, words: gl.constexpr, a_l: gl.constexpr):
-    """Group g's weights, once its stage is full, as the product's A operand (registers)."""
-    STAGES: gl.constexpr = w_smem.type.shape[0]
-    st = g % STAGES
-    mbarrier.wait(full.index(st), (g // STAGES) & 1)
-    return _a_operand(w_smem.index(st).load(words), w_smem.type.shape[1], w_smem.type.shape[2] * 8, a_l)
-
-
-@gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, DIAG_NOMMA: gl.constexpr, PIPE: gl.constexpr):
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
     """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
     W: gl.constexpr = GROUP // 8
     # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
@@ -258,60 +243,19 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    if PIPE:
-        HALF: gl.constexpr = GROUP // 2
-        for g in range(n_g):
-            st = g % STAGES
-            mbarrier.wait(full.index(st), (g // STAGES) & 1)
-            x_s = x_smem.index(st)
-            if PIPE == 2:
-                wd = gl.permute(gl.reshape(w_smem.index(st).load(words), [BLOCK_N, 4, 2, 2]), [0, 1, 3, 2])
-                lo, hi = gl.split(wd)  # words 4t + v with v < 2: k pairs 0..31; v >= 2: 32..63 (see _a_operand)
-                a0 = _a_operand(gl.reshape(lo, [BLOCK_N, W // 2]), BLOCK_N, HALF, a_l)
-                part = warpgroup_mma(a0, x_s.slice(0, HALF, dim=1).permute((1, 0)), zero, use_acc=False,
-                                     is_async=True)
-                a1 = _a_operand(gl.reshape(hi, [BLOCK_N, W // 2]), BLOCK_N, HALF, a_l)
-                part = warpgroup_mma(a1, x_s.slice(HALF, HALF, dim=1).permute((1, 0)), part, is_async=True)
-            else:
-                Q: gl.constexpr = GROUP // 4
-                e, o = gl.split(gl.reshape(w_smem.index(st).load(words), [BLOCK_N, 4, 2, 2]))
-                v0, v2 = gl.split(e)
-                v1, v3 = gl.split(o)  # word 4t + v: k pairs 16v .. 16v + 15
-                a0 = _a_operand(v0, BLOCK_N, Q, a_l)
-                part = warpgroup_mma(a0, x_s.slice(0, Q, dim=1).permute((1, 0)), zero, use_acc=False,
-                                     is_async=True)
-                a1 = _a_operand(v1, BLOCK_N, Q, a_l)
-                part = warpgroup_mma(a1, x_s.slice(Q, Q, dim=1).permute((1, 0)), part, is_async=True)
-                a0 = _a_operand(v2, BLOCK_N, Q, a_l)
-                part = warpgroup_mma(a0, x_s.slice(2 * Q, Q, dim=1).permute((1, 0)), part, is_async=True)
-                a1 = _a_operand(v3, BLOCK_N, Q, a_l)
-                part = warpgroup_mma(a1, x_s.slice(3 * Q, Q, dim=1).permute((1, 0)), part, is_async=True)
-            sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
-            x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(
-                gl.SliceLayout(0, mma))
-            part, a0, a1 = warpgroup_mma_wait(0, deps=(part, a0, a1))
-            mbarrier.arrive(empty.index(st), count=1)
-            s = (sz << 16).to(gl.float32, bitcast=True)
-            zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
-            acc = acc + s[:, None] * (part - zx)
-    else:
-        for g in range(n_g):
-            st = g % STAGES
-            mbarrier.wait(full.index(st), (g // STAGES) & 1)
-            if DIAG_NOMMA:
-                mbarrier.arrive(empty.index(st), count=1)
-            else:
-                w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
-                sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
-                x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(
-                    gl.SliceLayout(0, mma))
-                s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
-                zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
-                part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-                part, w = warpgroup_mma_wait(0, deps=(part, w))
-                # the product is complete, so every warp has issued it and every warp's reads of the stage are done
-                mbarrier.arrive(empty.index(st), count=1)
-                acc = acc + s[:, None] * (part - zx)
+    for g in range(n_g):
+        st = g % STAGES
+        mbarrier.wait(full.index(st), (g // STAGES) & 1)
+        w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
+        sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
+        x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
+        s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
+        zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
+        part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+        part, w = warpgroup_mma_wait(0, deps=(part, w))
+        # the product is complete, so every warp has issued it and every warp's reads of the stage are done
+        mbarrier.arrive(empty.index(st), count=1)
+        acc = acc + s[:, None] * (part - zx)
     return (acc,)  # (a partition returns a tuple)
 
 
@@ -319,8 +263,7 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, DIAG_HOT: gl.constexpr = 0,
-                    DIAG_NOMMA: gl.constexpr = False, PIPE: gl.constexpr = 0, TILED: gl.constexpr = False):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None). TRIGGER: the next
     kernel, if it is a programmatic dependent, may be scheduled as soon as every program has started."""
@@ -331,14 +274,6 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     n0 = pid_n * BLOCK_N
-    nw0 = n0
-    if DIAG_HOT:
-        nw0 = (pid_n % DIAG_HOT) * BLOCK_N
-    wb = 0
-    ws = 0
-    if TILED:  # weights stored [N/64, K/g, 64, g/2]: each (tile, group) box is 4 contiguous KB
-        wb = pid_n * (K // GROUP) * BLOCK_N
-        ws = BLOCK_N
     n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
     g0 = pid_k * n_g
 
@@ -353,19 +288,17 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         mbarrier.init(empty.index(i), count=1)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M,
-                         DIAG_NOMMA, PIPE)),
-            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, nw0, g0,
-                         n_g, PDL, wb, ws)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
+                         n_g, PDL)),
         ], [1], [REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, BLOCK_M, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M,
-                         DIAG_NOMMA, PIPE)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer_x, (w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem,
-                           staging, nw0, g0, n_g, PDL, wb, ws)),
+                           staging, n0, g0, n_g, PDL)),
         ], [1], [REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
@@ -461,8 +394,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     trigger = pdl and triggers(N, split, x.device)  # the overlap mode (module docstring)
     follows = pdl and last_launch_triggers(x.device)  # the call's first kernel launched as a dependent
     w_layout, x_layout, words = _shared_layouts(block_m)
-    wv = packed.view(torch.int32).reshape(-1, GROUP // 8) if DIAG["tiled"] else packed.view(torch.int32)
-    w_desc = TensorDescriptor.from_tensor(wv, [BLOCK_N, GROUP // 8], w_layout)
+    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
     if x_depth:
         x_desc = xs_desc = None
@@ -478,9 +410,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
-                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger,
-                                           DIAG_HOT=DIAG["hot"], DIAG_NOMMA=DIAG["nomma"], PIPE=DIAG["pipe"], TILED=DIAG["tiled"],
-                                           num_warps=4,
+                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, num_warps=4,
                                            maxnreg=regs, launch_pdl=follows if x_depth else pdl)
     note_launch(x.device, trigger)
     return y
