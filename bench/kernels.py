@@ -22,8 +22,8 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
   mask (enable_gqa), the floor = K+V bytes / copy bandwidth;
 - model: Llama-3-8B shapes with random weights, CUDA-graph replays of the cached forward at 4096 and 32768
   positions, T in {1, 2, 4, 8}: ours (kernels.transform, separate and fused q|k|v, gate|up linears, with
-  the RMSNorm/RoPE kernels) and the same two models on torch int4 + torch SDPA; and, without the
-  RMSNorm/RoPE kernels (the model's own torch code), the fused model and both torch peers; and the fused
+  the RMSNorm/RoPE/SwiGLU kernels) and the same two models on torch int4 + torch SDPA; and, without the
+  RMSNorm/RoPE/SwiGLU kernels (the model's own torch code), the fused model and both torch peers; and the fused
   model with programmatic dependent launch off (`fused_nopdl`: plain graph edges), to price PDL;
 - profile: where the forward's kernel time goes at T = 1 against T = 2 (ctx 4096).
 Timing: each measurement captures a CUDA graph of many calls that rotate over enough input copies to
@@ -305,11 +305,11 @@ def check_sdpa():
 
 
 def check_norm_rope():
-    """RoPE bit-exact and RMSNorm within 3 bf16 ulps of the model's own code, at Llama-3-8B sizes. (The row's
+    """RoPE and SwiGLU bit-exact and RMSNorm within 3 bf16 ulps of the model's own code, at Llama-3-8B sizes. (The row's
     sum of squares is reduced in another order than torch's, so the inverse RMS can differ in its last float32
     bit and the normalised value, rounded to bf16 before the weight, by one ulp; the weight, 0.5-1.5 here,
     carries that into at most 3 ulps of the product. Most draws give 0; call 53 met 2.)"""
-    from kernels.norm_rope import rms_norm, rope
+    from kernels.norm_rope import rms_norm, rope, swiglu
     from models.layers import RMSNorm, Rope, apply_rope
 
     out = RESULTS["check"]
@@ -320,7 +320,7 @@ def check_norm_rope():
     with torch.no_grad():
         norm.weight.copy_(torch.rand(4096, device="cuda") + 0.5)
     norm = norm.to(torch.bfloat16)
-    rope_diff, norm_ulps = 0, 0
+    rope_diff, norm_ulps, swiglu_diff = 0, 0, 0
     for T in range(1, 9):
         cos, sin = table.tables(torch.arange(33000, 33000 + T, device="cuda"))
         row = (torch.randn(1, T, 6144, device="cuda") * 4).to(torch.bfloat16)  # a fused q|k|v row
@@ -330,9 +330,13 @@ def check_norm_rope():
         h = (torch.randn(1, T, 4096, device="cuda") * 3).to(torch.bfloat16)
         a, b = rms_norm(h, norm.weight, norm.eps), norm(h)
         norm_ulps = max(norm_ulps, (a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max().item())
-    assert rope_diff == 0 and norm_ulps <= 3, f"rope: {rope_diff} values differ; rms_norm: {norm_ulps} ulps"
-    out.update(rope_values_differing=rope_diff, rms_norm_max_ulps=norm_ulps)
-    log(f"check norm/rope: rope bit-exact, rms_norm within {norm_ulps} ulp")
+        gu = (torch.randn(1, T, 2 * 14336, device="cuda") * 4).to(torch.bfloat16)  # a fused gate|up row
+        gate, up = gu[..., :14336], gu[..., 14336:]
+        swiglu_diff += (swiglu(gate, up) != F.silu(gate) * up).sum().item()
+    assert rope_diff == 0 and norm_ulps <= 3 and swiglu_diff == 0, \
+        f"rope: {rope_diff} values differ; rms_norm: {norm_ulps} ulps; swiglu: {swiglu_diff} values differ"
+    out.update(rope_values_differing=rope_diff, rms_norm_max_ulps=norm_ulps, swiglu_values_differing=swiglu_diff)
+    log(f"check norm/rope/swiglu: rope and swiglu bit-exact, rms_norm within {norm_ulps} ulp")
     save()
 
 
@@ -615,7 +619,7 @@ class TinyGemmLinear(torch.nn.Module):
 
 def torch_peer(model):
     """Same quantised weights on torch's int4 GEMM; attention through torch SDPA with the model's mask.
-    Everything else stays as `model` has it (with or without the RMSNorm/RoPE kernels)."""
+    Everything else stays as `model` has it (with or without the RMSNorm/RoPE/SwiGLU kernels)."""
     from kernels.transform import Int4Linear
     from models.layers import Attention
 
@@ -633,8 +637,8 @@ def torch_peer(model):
 
 
 def without_norm_rope(model):
-    """The model's own RMSNorm and RoPE code back in place of kernels.norm_rope (same weights)."""
-    from kernels.transform import KernelRMSNorm
+    """The model's own RMSNorm, RoPE and SwiGLU code back in place of kernels.norm_rope (same weights)."""
+    from kernels.transform import KernelMLP, KernelRMSNorm
     from models.layers import Attention, RMSNorm
 
     for module in model.modules():
@@ -642,6 +646,8 @@ def without_norm_rope(model):
             module.__class__ = RMSNorm
         if isinstance(module, Attention):
             module.kernel_rope = False
+        if isinstance(module, KernelMLP):
+            module.kernel_swiglu = False
     return model
 
 
@@ -736,7 +742,7 @@ def section_model():
         f"{torch.cuda.memory_allocated() / 1e9:.1f} GB allocated")
     peer = torch_peer(copy.deepcopy(model))
     peer_fused = torch_peer(copy.deepcopy(fused))  # the same fused q|k|v and gate|up weights on torch's kernels
-    # the same weights with the model's own RMSNorm/RoPE code instead of kernels.norm_rope
+    # the same weights with the model's own RMSNorm/RoPE/SwiGLU code instead of kernels.norm_rope
     fused_plain = without_norm_rope(copy.deepcopy(fused))
     variants = (("ours", model), ("fused", fused), ("torch", peer), ("torch_fused", peer_fused),
                 ("fused_plain", fused_plain), ("torch_plain", without_norm_rope(copy.deepcopy(peer))),

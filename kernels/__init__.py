@@ -8,11 +8,11 @@
   allows it: `kernels._jit`);
 - sdpa_midm: split-K attention for M <= 16 query rows over a long GQA KV cache (`sdpa_midm`,
   `sdpa_reference`);
-- norm_rope: the model's RMSNorm and RoPE in one launch each, bit-equal to models/layers.py (`rms_norm`,
-  `rope`);
+- norm_rope: the model's RMSNorm, RoPE and SwiGLU product in one launch each, equal to models/layers.py
+  (`rms_norm`, `rope`, `swiglu`);
 - dispatch: the one rule, M <= max_m -> these kernels, else the dense path;
 - transform: `to_kernels(model)` puts a models/ Transformer on them (CUDA; CPU under TRITON_INTERPRET=1).
 All ops are `torch.library.triton_op`s (eagle3::int4_mm, eagle3::sdpa_midm, eagle3::rms_norm,
-eagle3::rope) with fake implementations, so they trace into torch.export graphs. Benchmarks and notes:
+eagle3::rope, eagle3::swiglu) with fake implementations, so they trace into torch.export graphs. Benchmarks and notes:
 bench/kernels.py, bench/NOTES.md.
 """

@@ -1,22 +1,28 @@
-"""RMSNorm and RoPE in one launch each, equal to the model's own math (models/layers.py) bit for bit.
+"""RMSNorm, RoPE and the SwiGLU product in one launch each, equal to the model's own math (models/layers.py).
 
 Why: a cached Llama-class forward at T <= max_m is ~3000 kernel launches (Llama-3-8B shapes), and at these
 sizes an elementwise kernel costs its launch and drain, not its bytes. The model's RMSNorm is 7 torch
 kernels (float, pow, mean, add, rsqrt, mul, cast + the weight product) and RoPE on q and k 14 (two table
 casts, two products, neg, cat and an add per tensor): 28 of the ~93 launches per layer, all replaced here
-by 4. Measured on the H200: bench/NOTES.md.
+by 4. The SwiGLU product `silu(gate) * up` is 2 more (silu, mul); as one launch that lets the next kernel
+start at its own start, it also lets the down projection's GEMM begin during it (kernels._jit). Measured on the
+H200: bench/NOTES.md.
 
 Equality: every rounding torch does in bf16 is repeated. RoPE rounds cos/sin to x's dtype, then x * cos and
 rotate_half(x) * sin each to bf16, then their sum (compiled without FMA contraction, `enable_fp_fusion`
 off: with it, Triton 3.6 turns product-then-add into one bf16 fma and 1 value in 5 differs on the H200);
 RMSNorm rounds the normalised row to x's dtype before the weight product. What may differ is RMSNorm's
 fp32 sum of squares (summation order) and rsqrt's last bit, so a normalised value can land one bf16 ulp
-away (tests bound it); RoPE is exact.
+away (tests bound it); RoPE is exact. SwiGLU rounds silu(gate) to bf16 before the product, as torch does,
+and computes silu as torch's CUDA kernel does (x / (1 + expf(-x)), IEEE division; libdevice's expf is CUDA's):
+exact on the GPU; the CPU interpreter's exp may differ from torch's CPU exp in the last fp32 bit.
 
   rms_norm(x [..., D], weight [D], eps) -> [..., D]       (x and weight bf16)
   rope(x [B, T, H*hd], cos, sin [T, rot], n_heads) -> [B, H, T, hd] contiguous, i.e. the model's
       `apply_rope(x.view(B, T, H, hd).transpose(1, 2), cos, sin)` (channels >= rot pass through);
       x may be a column slice of a wider row (the fused q|k|v output): only its last dim must be contiguous.
+  swiglu(gate [..., H], up [..., H]) -> [..., H] contiguous, the model's `F.silu(gate) * up` (bf16; gate and up
+      may be column slices of the fused gate|up output).
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, libdevice
 
 from kernels._jit import compiled, lazy_jit, note_launch, pdl_capable
 
 ROPE_HEADS = 8  # heads per RoPE program
+SWIGLU_BLOCK = 1024  # columns per SwiGLU program
 
 
 def _compile_options() -> dict:
@@ -79,6 +86,24 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, stride_xb, stride_xt, str
     tl.store(out, y, mask=h_ok)
 
 
+@lazy_jit
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, H, BLOCK: tl.constexpr, TRIGGER: tl.constexpr,
+                   EXPF: tl.constexpr):
+    if TRIGGER:
+        gdc_launch_dependents()  # the down projection's programs may start now (they wait for this grid's writes)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    if EXPF:
+        e = libdevice.exp(-g)  # CUDA's expf, as torch's silu kernel calls it (tl.exp is ex2.approx based)
+    else:
+        e = tl.exp(-g)  # (the interpreter has no libdevice; its exp is numpy's)
+    silu = tl.math.div_rn(g, 1.0 + e).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row * H + cols, (silu * u).to(y_ptr.dtype.element_ty), mask=ok)
+
+
 @torch.library.triton_op("eagle3::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The model's RMSNorm of x [..., D] (bf16) with weight [D] (bf16), one launch."""
@@ -123,3 +148,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) ->
 def _(x, cos, sin, n_heads):
     B, T, width = x.shape
     return x.new_empty((B, n_heads, T, width // n_heads))
+
+
+@torch.library.triton_op("eagle3::swiglu", mutates_args=())
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The model's `F.silu(gate) * up` for bf16 gate and up [..., H] (rows may be strided), one launch."""
+    if gate.shape != up.shape or gate.dtype != torch.bfloat16 or up.dtype != torch.bfloat16:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must "
+                         f"be bf16 of one shape")
+    H = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, H), up.reshape(-1, H)
+    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
+    u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
+    y = torch.empty((g2.shape[0], H), dtype=gate.dtype, device=gate.device)
+    trigger = pdl_capable(gate.device)
+    _swiglu_kernel[(g2.shape[0], triton.cdiv(H, SWIGLU_BLOCK))](
+        g2, u2, y, g2.stride(0), u2.stride(0), H, BLOCK=SWIGLU_BLOCK, TRIGGER=trigger, EXPF=compiled(),
+        num_warps=4, **_compile_options())
+    note_launch(gate.device, trigger)
+    return y.reshape(gate.shape)
+
+
+@swiglu.register_fake
+def _(gate, up):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)

@@ -8,8 +8,9 @@ cached attention with T <= max_m.
 - every `models.layers.Attention` gets a subclass whose `forward` records `input_pos` for the duration of
   the call and whose `attend` runs `dispatch.attention` (sdpa_midm for T <= max_m, torch SDPA above) on
   the cached path; the stateless path (input_pos None) keeps the model's own attention;
-- with norm_rope=True (the default) every `RMSNorm` and the attention's RoPE of q and k run as one launch
-  each (kernels.norm_rope: the same values, 4 launches where the model's code makes 28 per layer).
+- with norm_rope=True (the default) every `RMSNorm`, the attention's RoPE of q and k and the MLP's SwiGLU
+  product run as one launch each (kernels.norm_rope: the same values, 5 launches where the model's code makes
+  30 per layer).
 The model's own code (cache writes, masks, the layer loop) is untouched: only the math behind `attend`,
 the linears, the norms and RoPE changes. Move the model to CUDA in bfloat16 before or after; the kernels
 need bf16 activations.
@@ -21,21 +22,17 @@ Out of scope: embeddings stay bf16; batch > 1 on the cached path (the model refu
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import dispatch
 from kernels._jit import note_launch
 from kernels.int4_gemm import quantize_int4
-from kernels.norm_rope import rms_norm, rope
+from kernels.norm_rope import rms_norm, rope, swiglu
 from models.layers import MLP, Attention, RMSNorm
 
 
 class Int4Linear(nn.Module):
-    """after_torch_ops: torch's kernels produce this linear's input after our last launch (MLP.down_proj, after
-    the SwiGLU product), so its GEMM must not count on that launch to start it early (kernels._jit)."""
-
-    after_torch_ops = False
-
     def __init__(self, linear: nn.Linear, group: int, max_m: int):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -47,8 +44,6 @@ class Int4Linear(nn.Module):
                                                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.after_torch_ops:
-            note_launch(x.device, False)
         return dispatch.int4_linear(x, self.packed, self.scale_zero, self.group, self.max_m, self.bias)
 
     def extra_repr(self) -> str:
@@ -119,6 +114,21 @@ class KernelRMSNorm(RMSNorm):
         return rms_norm(x, self.weight, self.eps)
 
 
+class KernelMLP(MLP):
+    """The SwiGLU product as one launch (`kernel_swiglu`, set by `to_kernels`; bf16), which lets the down
+    projection's GEMM start during it. With torch's product instead, the launch record is told that kernels
+    not ours ran since our last launch, so that GEMM does not wait on a launch that never lets it start
+    (kernels._jit)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.kernel_swiglu and gate.dtype == torch.bfloat16 and up.dtype == torch.bfloat16:
+            return self.down_proj(swiglu(gate, up))
+        h = F.silu(gate) * up
+        note_launch(h.device, False)
+        return self.down_proj(h)
+
+
 class _KernelAttention:
     """Mixin over an Attention class; `kernel_window` (0 = none), `max_m` and `kernel_rope` are set by
     `to_kernels`."""
@@ -158,7 +168,7 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
     """In place: linears -> Int4Linear, attention -> sdpa_midm for T <= max_m. Returns the model.
     fuse=True: q/k/v and gate/up each become one GEMM over concatenated weights (SharedInputInt4), as
     vLLM's QKV and gate|up layers do (fewer, larger launches: faster at T <= max_m, bench/NOTES.md).
-    norm_rope=True: RMSNorm and RoPE as one launch each (kernels.norm_rope)."""
+    norm_rope=True: RMSNorm, RoPE and the SwiGLU product as one launch each (kernels.norm_rope)."""
     dispatch.check_max_m(max_m)
     windows = {}
     cfg = getattr(model, "cfg", None)
@@ -176,9 +186,10 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
             module.kernel_rope = norm_rope
         if norm_rope and type(module) is RMSNorm:
             module.__class__ = KernelRMSNorm
+        if type(module) is MLP:
+            module.__class__ = KernelMLP
+            module.kernel_swiglu = norm_rope
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, Int4Linear(child, group, max_m))
-        if isinstance(module, MLP) and isinstance(module.down_proj, Int4Linear):
-            module.down_proj.after_torch_ops = True
     return model

@@ -261,14 +261,13 @@ def test_gpu_calls_in_sequence_replayed_from_a_graph_match_eager_and_reference(s
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (griddepcontrol)")
 def test_gpu_call_after_a_triggering_kernel_or_torch_ops_matches_eager(seed):
     """The GEMM's first kernel is a programmatic dependent only after a launch of ours that triggers (the RMSNorm
-    kernel does; RoPE and a torch op do not): in a CUDA graph each order gives the eager result bitwise."""
+    and SwiGLU kernels do; RoPE and a torch op do not): in a CUDA graph each order gives the eager result
+    bitwise."""
     from kernels import _jit
-    from kernels.norm_rope import rms_norm, rope
+    from kernels.norm_rope import rms_norm, rope, swiglu
     from kernels.transform import Int4Linear
     dev = torch.device("cuda")
     lin = Int4Linear(torch.nn.Linear(4096, 1024, bias=False), 128, 8).cuda()  # one launch (CONFIGS)
-    after_torch = Int4Linear(torch.nn.Linear(4096, 1024, bias=False), 128, 8).cuda()
-    after_torch.after_torch_ops = True
     w = (torch.rand(4096, device="cuda") + 0.5).to(torch.bfloat16)
     cos, sin = torch.rand(2, 3, 128, device="cuda").unbind(0)
     x = torch.randn(1, 3, 4096, device="cuda").to(torch.bfloat16)
@@ -280,8 +279,13 @@ def test_gpu_call_after_a_triggering_kernel_or_torch_ops_matches_eager(seed):
         r = rope(a, cos, sin, 8)
         assert not _jit.last_launch_triggers(dev)
         b = lin(h)  # after RoPE: plain launch
-        c = after_torch(h * 2)
-        return a, r, b, c
+        h2 = h * 2
+        _jit.note_launch(dev, False)  # as KernelMLP says after torch's SwiGLU product
+        c = lin(h2)
+        s = swiglu(h, h2)
+        assert _jit.last_launch_triggers(dev)
+        d = lin(s)  # launched as a dependent of the SwiGLU kernel
+        return a, r, b, c, d
 
     outs_g = replays_match_eager(calls, x)
     assert torch.equal(outs_g[0], outs_g[2])

@@ -1,11 +1,13 @@
-"""RMSNorm and RoPE kernels against the model's own modules (models/layers.py), on fresh random inputs.
-RoPE must be bit-exact; RMSNorm may differ by one bf16 ulp (fp32 summation order), rarely.
-CPU runs use Triton's interpreter (see kernels/_jit.py)."""
+"""RMSNorm, RoPE and SwiGLU kernels against the model's own code (models/layers.py), on fresh random inputs.
+RoPE and SwiGLU must be bit-exact on the GPU; RMSNorm may differ by one bf16 ulp (fp32 summation order),
+rarely. CPU runs use Triton's interpreter (see kernels/_jit.py), whose exp is numpy's, not torch's: there
+SwiGLU may be one ulp off, rarely."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kernels.norm_rope import rms_norm, rope
+from kernels.norm_rope import rms_norm, rope, swiglu
 from models.layers import RMSNorm, Rope, apply_rope
 
 CUDA = torch.cuda.is_available()
@@ -42,6 +44,33 @@ def check_rms_norm(shape, device):
     assert (out == ref).float().mean() > 0.98
 
 
+def check_swiglu(T, H, device, exact):
+    """gate and up as the two halves of one row, as the fused gate|up GEMM returns them; values wide enough
+    that silu meets both its tails."""
+    row = (torch.randn(1, T, 2 * H, device=device) * 4).to(torch.bfloat16)
+    gate, up = row[..., :H], row[..., H:]
+    out, ref = swiglu(gate, up), F.silu(gate) * up
+    assert out.shape == ref.shape and out.is_contiguous() and out.dtype == torch.bfloat16
+    if exact:
+        assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
+    else:
+        same_sign = (out.sign() == ref.sign()) & (ref != 0)
+        assert ulps(out, ref)[same_sign].max() <= 1 and (out == ref).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("T,H", [(1, 64), (3, 1500), (8, 2048)])  # H: one block, a masked second, two whole
+def test_swiglu_matches_the_models_product(interpret, seed, T, H):
+    check_swiglu(T, H, "cpu", exact=False)
+
+
+def test_swiglu_refuses_mismatched_inputs(interpret):
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="must be bf16 of one shape"):
+        swiglu(x, torch.zeros(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="must be bf16 of one shape"):
+        swiglu(x, x.float())
+
+
 @pytest.mark.parametrize("B,T,H,hd,rot_factor,wider", [(1, 1, 4, 16, 1.0, 0), (2, 3, 5, 32, 1.0, 2),
                                                         (1, 4, 9, 16, 0.5, 3), (2, 2, 3, 64, 0.25, 1)])
 def test_rope_equals_the_models_rope(interpret, seed, B, T, H, hd, rot_factor, wider):
@@ -72,3 +101,5 @@ def test_gpu_matches_the_models_modules(seed):
         check_rope(B, T, H, hd, rot_factor, wider, "cuda")
     for shape in ((1, 1, 4096), (1, 8, 4096), (3, 5000)):
         check_rms_norm(shape, "cuda")
+    for T, H in ((1, 14336), (8, 14336), (3, 1500)):
+        check_swiglu(T, H, "cuda", exact=True)

@@ -1,4 +1,4 @@
-"""The model transform: a models/ Transformer on the INT4 GEMM, split-K SDPA and the RMSNorm/RoPE kernels
+"""The model transform: a models/ Transformer on the INT4 GEMM, split-K SDPA and the RMSNorm/RoPE/SwiGLU kernels
 agrees with the same model carrying the dequantised weights, on both sides of the dispatch threshold; it
 exports with a dynamic T.
 CPU runs use Triton's interpreter (see kernels/_jit.py)."""
@@ -91,3 +91,4 @@ def test_exports_with_dynamic_t(interpret, models):
     assert sum("sdpa_midm" in t for t in targets) == 2
     assert sum("rms_norm" in t for t in targets) == 2 * 2 + 1  # per layer: input, post-attention; final
     assert sum("eagle3.rope" in t for t in targets) == 2 * 2  # per layer: q, k
+    assert sum("eagle3.swiglu" in t for t in targets) == 2
