@@ -13,6 +13,6 @@
 - dispatch: the one rule, M <= max_m -> these kernels, else the dense path;
 - transform: `to_kernels(model)` puts a models/ Transformer on them (CUDA; CPU under TRITON_INTERPRET=1).
 All ops are `torch.library.triton_op`s (eagle3::int4_mm, eagle3::sdpa_midm, eagle3::rms_norm,
-eagle3::rope, eagle3::swiglu) with fake implementations, so they trace into torch.export graphs. Benchmarks and notes:
-bench/kernels.py, bench/NOTES.md.
+eagle3::rope, eagle3::swiglu) with fake implementations, so they trace into torch.export graphs.
+Benchmarks and notes: bench/kernels.py, bench/NOTES.md.
 """
