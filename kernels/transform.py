@@ -12,8 +12,8 @@ cached attention with T <= max_m.
   product run as one launch each (kernels.norm_rope: the same values, 5 launches where the model's code makes
   30 per layer).
 The model's own code (cache writes, masks, the layer loop) is untouched: only the math behind `attend`,
-the linears, the norms, RoPE and the SwiGLU product changes. Move the model to CUDA in bfloat16 before or after; the kernels
-need bf16 activations.
+the linears, the norms, RoPE and the SwiGLU product changes. Move the model to CUDA in bfloat16 before or
+after; the kernels need bf16 activations.
 Run one eager forward before capturing a CUDA graph: it compiles the kernels and allocates the split-K
 arrival counters (kernels.int4_gemm.counters) outside the capture.
 Out of scope: embeddings stay bf16; batch > 1 on the cached path (the model refuses it anyway).
