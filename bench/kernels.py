@@ -396,10 +396,10 @@ def read_ceiling(nbytes: int, copies: int) -> dict:
         programs = per_sm * sms
         per = math.ceil(nbytes / 4 / programs / READ_BLOCK) * READ_BLOCK
         bufs = [torch.randint(0, 1 << 20, (programs * per,), dtype=torch.int32, device="cuda") for _ in range(copies)]
-        _read_kernel[(programs,)](bufs[0], out, per, BLOCK=READ_BLOCK, num_warps=8)  # it reads every word
+        read = lambda b: _read_kernel[(programs,)](b, out, per, BLOCK=READ_BLOCK, num_warps=8)
+        read(bufs[0])  # it reads every word
         assert torch.equal(out[:programs].long() & 0xFFFFFFFF, bufs[0].view(programs, per).sum(1) & 0xFFFFFFFF)
-        times[f"read kernel, {per_sm} per SM"] = time_calls(
-            [lambda b=b: _read_kernel[(programs,)](b, out, per, BLOCK=READ_BLOCK, num_warps=8) for b in bufs])
+        times[f"read kernel, {per_sm} per SM"] = time_calls([lambda b=b: read(b) for b in bufs])
         del bufs
     bufs = [torch.randn(nbytes // 2, device="cuda").to(torch.bfloat16) for _ in range(copies)]
     times["torch.sum"] = time_calls([lambda b=b: b.sum() for b in bufs])
@@ -518,6 +518,7 @@ def section_gemm():
         read = read_ceiling(N * K // 2 + 2 * (K // 128) * N * 2, copies)  # the weights' bytes, M-independent
         log(f"read {K}x{N}: {read['read_us']:.1f} us ({read['read_how']}); " +
             ", ".join(f"{k} {v:.1f}" for k, v in read["read_all"].items()))
+        path = gemm_path(K, N)  # (the same for every M <= 8)
         for M in MS:
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(max(copies, nb))]
             ours = time_calls([lambda i=i: G.int4_mm(xs[i], *ops[i], 128) for i in range(copies)])
@@ -526,7 +527,7 @@ def section_gemm():
             dense = time_calls([lambda i=i: F.linear(xs[i], wb[i]) for i in range(nb)])
             floor = gemm_floor_bytes(M, K, N, 128) / bw * 1e6
             row = dict(K=K, N=N, M=M, ours_us=ours, ours_alone_us=alone, torch_int4_us=peer, bf16_us=dense,
-                       floor_us=floor, floor_frac=floor / ours, read_us=read["read_us"], config=gemm_path(K, N))
+                       floor_us=floor, floor_frac=floor / ours, read_us=read["read_us"], config=path)
             rows.append(row)
             log(f"gemm {K}x{N} M={M}: ours {ours:.1f} (alone {alone:.1f}) torch-int4 {peer:.1f} bf16 {dense:.1f} "
                 f"floor {floor:.1f} ({floor / ours:.2f})")

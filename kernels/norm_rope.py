@@ -39,6 +39,12 @@ ROPE_HEADS = 8  # heads per RoPE program
 SWIGLU_BLOCK = 1024  # columns per SwiGLU program
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as [rows, D] with a unit column stride (a view where the rows allow it)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def _compile_options() -> dict:
     """No multiply-add contraction, so each product is rounded where torch rounds it (GPU only: the
     interpreter computes each op as written)."""
@@ -108,9 +114,7 @@ def _swiglu_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, H, BLOCK: tl.constex
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The model's RMSNorm of x [..., D] (bf16) with weight [D] (bf16), one launch."""
     D = x.shape[-1]
-    x2 = x.reshape(-1, D)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     y = torch.empty((x2.shape[0], D), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(D)
     trigger = pdl_capable(x.device)
@@ -157,9 +161,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must "
                          f"be bf16 of one shape")
     H = gate.shape[-1]
-    g2, u2 = gate.reshape(-1, H), up.reshape(-1, H)
-    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
-    u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
+    g2, u2 = _rows(gate), _rows(up)
     y = torch.empty((g2.shape[0], H), dtype=gate.dtype, device=gate.device)
     trigger = pdl_capable(gate.device)
     _swiglu_kernel[(g2.shape[0], triton.cdiv(H, SWIGLU_BLOCK))](
