@@ -1,0 +1,272 @@
+"""Temporary A/B (ninth session): the INT4 GEMM with no producer, no ring and no handshake. Each warp owns 16
+output columns and loads its weight words D groups ahead straight from global memory into the registers of its
+mma.sync A fragment (the `words` layout of int4_gluon, unpacked by its `_a_operand`), and its x fragment one
+group ahead straight into the B operand's registers. Many 1-warp programs per SM hide the latency, as a bare
+read does; nothing is shared between warps, so there is no barrier at all.
+
+    python3 -m bench.ab_direct $OUT/ab_direct.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton import constexpr_function
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from kernels.int4_gluon import _a_operand, _gdc_launch, _gdc_wait
+
+GROUP = 128
+XS = 32  # floats per group in the sums buffer
+
+
+@triton.jit
+def _prep_b_kernel(x_ptr, xb_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   PDL: tl.constexpr):
+    """int4_gemm's prep, with the fragment order's words further transposed per group ([16 j, 4 t] -> [4 t, 16 j])
+    so that a lane's B fragment of a group (words 4 j + t, j = 0..15) is 64 contiguous bytes."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    g = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, GROUP)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + g * GROUP + cols[None, :], mask=(offs_m < M)[:, None],
+                other=0.0)
+    tl.store(xs_ptr + g * 32 + offs_m, tl.sum(x.to(tl.float32), axis=1))
+    x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, 4, GROUP // 32, 2, 4)), (0, 2, 4, 1, 3)), (BLOCK_M, GROUP))
+    x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, GROUP // 8, 4, 2)), (0, 2, 1, 3)), (BLOCK_M, GROUP))
+    tl.store(xb_ptr + offs_m[:, None] * K + g * GROUP + cols[None, :], x)
+
+
+@constexpr_function
+def _words_layout(NW, W):
+    warps = [[16 << i, 0] for i in range(NW.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+                                      lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=warps, block_bases=[], shape=[16 * NW, W])
+
+
+@constexpr_function
+def _xwords_layout(NW, W):
+    """[8 rows of x, 4 W words]: lane (g, t) holds row g, words 16 t .. 16 t + 15 (W = 16 per group); every warp
+    the same."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]],
+                                      lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[0, 0]] * (NW.bit_length() - 1), block_bases=[], shape=[8, 4 * W])
+
+
+@gluon.jit
+def _b_operand(xw, GROUP: gl.constexpr, b_l: gl.constexpr):
+    """Words [8, GROUP/2] (lane t's words are the pairs 4 j + t of the fragment order) -> bf16 B [GROUP, 8]."""
+    o = gl.join((xw & 0xFFFF).to(gl.int16), (xw >> 16).to(gl.int16))  # [8, 64, e]
+    o = gl.permute(gl.reshape(o, [8, 4, GROUP // 8, 2]), [2, 1, 3, 0])  # [j, t, e, n]: k = 8 j + 2 t + e
+    b = gl.reshape(o, [GROUP, 8]).to(gl.bfloat16, bitcast=True)
+    return gl.convert_layout(b, b_l, assert_trivial=True)
+
+
+@gluon.jit
+def _load_w(w_ptr, sz_ptr, w_offs, sz_offs, g, N, W: gl.constexpr):
+    w = gl.load(w_ptr + w_offs + g * W, cache_modifier=".cg")
+    sz = gl.load(sz_ptr + sz_offs + g * N)
+    return w, sz
+
+
+@gluon.jit
+def _load_x(xb_ptr, xs_ptr, x_offs, xs_offs, g, W: gl.constexpr):
+    return gl.load(xb_ptr + x_offs + g * 4 * W), gl.load(xs_ptr + xs_offs + g * 32)
+
+
+@gluon.jit
+def _consume(acc, w, sz, xw, xsum, ok, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, a_l: gl.constexpr,
+             b_l: gl.constexpr, mma: gl.constexpr):
+    a = _a_operand(w, BLOCK_N, GROUP, a_l)
+    b = _b_operand(xw, GROUP, b_l)
+    part = mma_v2(a, b, gl.zeros([BLOCK_N, 8], gl.float32, mma))
+    s = (sz << 16).to(gl.float32, bitcast=True)
+    s = gl.where(ok, s, 0.0)
+    zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * xsum[None, :]
+    return acc + s[:, None] * (part - zx)
+
+
+@gluon.jit
+def _direct_kernel(xb_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_w, stride_xb, stride_ym,
+                   n_g, GROUP: gl.constexpr, NW: gl.constexpr, SPLIT_K: gl.constexpr, D: gl.constexpr,
+                   PDL: gl.constexpr, TRIGGER: gl.constexpr):
+    BLOCK_N: gl.constexpr = 16 * NW
+    W: gl.constexpr = GROUP // 8
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    words: gl.constexpr = _words_layout(NW, W)
+    xwords: gl.constexpr = _xwords_layout(NW, W)
+    if TRIGGER:
+        _gdc_launch()
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    g0 = pid_k * n_g
+    last = g0 + n_g - 1
+    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, words))
+    cols = gl.arange(0, W, layout=gl.SliceLayout(0, words))
+    w_offs = rows[:, None] * stride_w + cols[None, :]
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    offs_m = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    xr = gl.arange(0, 8, layout=gl.SliceLayout(1, xwords))
+    xc = gl.arange(0, 4 * W, layout=gl.SliceLayout(0, xwords))
+    x_offs = xr[:, None] * stride_xb + xc[None, :]
+
+    ws = ()
+    for j in gl.static_range(D):
+        ws = ws + (_load_w(w_ptr, sz_ptr, w_offs, offs_n, gl.minimum(g0 + j, last), N, W),)
+    if PDL:
+        _gdc_wait()
+    xs = (_load_x(xb_ptr, xs_ptr, x_offs, offs_m, g0, W), _load_x(xb_ptr, xs_ptr, x_offs, offs_m, g0, W))
+    acc = gl.zeros([BLOCK_N, 8], gl.float32, mma)
+    for c in range(0, n_g, D):
+        g = g0 + c
+        for j in gl.static_range(D):
+            # x for group g + j is in slot j % 2; the other slot takes group g + j + 1
+            nxt = _load_x(xb_ptr, xs_ptr, x_offs, offs_m, gl.minimum(g + j + 1, last), W)
+            if j % 2 == 0:
+                cur = xs[0]
+                xs = (cur, nxt)
+            else:
+                cur = xs[1]
+                xs = (nxt, cur)
+            w, sz = ws[j]
+            acc = _consume(acc, w, sz, cur[0], cur[1], c + j < n_g, GROUP, BLOCK_N, a_l, b_l, mma)
+            ws = ws[:j] + (_load_w(w_ptr, sz_ptr, w_offs, offs_n, gl.minimum(g + D + j, last), N, W),) + ws[j + 1:]
+
+    out_ok = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT_K == 1:
+        gl.store(y_ptrs, acc.to(gl.bfloat16), mask=out_ok)
+    else:
+        gl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_ok)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = gl.zeros([BLOCK_N, 8], gl.float32, mma)
+            for s_idx in gl.static_range(SPLIT_K):
+                total += gl.load(ws_ptr + (s_idx * M + offs_m[None, :]) * N + offs_n[:, None], mask=out_ok,
+                                 other=0.0, cache_modifier=".cg")
+            gl.store(y_ptrs, total.to(gl.bfloat16), mask=out_ok)
+            gl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+def direct_mm(x, packed, scale_zero, config, trigger=False, follows=False):
+    """config: (warps, split, D, registers)."""
+    from kernels import int4_gemm as G
+    nw, split, d, regs = config
+    M, K = x.shape
+    N = packed.shape[0]
+    assert M <= 8 and K % (GROUP * split) == 0 and N % (16 * nw) == 0 and d % 2 == 0
+    xb = torch.empty((8, K), dtype=x.dtype, device=x.device)
+    xs = torch.empty((K // GROUP, XS), dtype=torch.float32, device=x.device)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
+    _prep_b_kernel[(K // GROUP,)](x, xb, xs, M, K, x.stride(0), GROUP=GROUP, BLOCK_M=8, PDL=True, num_warps=4,
+                                  launch_pdl=follows)
+    _direct_kernel[(N // (16 * nw), split)](xb.view(torch.int32), xs, packed.view(torch.int32),
+                                            scale_zero.view(torch.int32), y, ws, G.counters(x.device), M, N, K // 8,
+                                            K // 2, y.stride(0), K // GROUP // split, GROUP=GROUP, NW=nw,
+                                            SPLIT_K=split, D=d, PDL=True, TRIGGER=trigger, num_warps=nw,
+                                            maxnreg=regs, launch_pdl=True)
+    return y
+
+
+def compile_offline(nw=1, split=1, d=4, regs=128):
+    """The SASS report of one config (bench.sass) on a machine without a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench.sass import report
+    sig = dict(xb_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", sz_ptr="*i32", y_ptr="*bf16", ws_ptr="*fp32",
+               cnt_ptr="*i32", M="i32", N="i32", stride_w="i32", stride_xb="i32", stride_ym="i32", n_g="i32")
+    const = dict(GROUP=GROUP, NW=nw, SPLIT_K=split, D=d, PDL=True, TRIGGER=False)
+    sig.update({k: "constexpr" for k in const})
+    names = list(sig)
+    aligned = [a for a in ("xb_ptr", "xs_ptr", "w_ptr", "sz_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "stride_w",
+                           "stride_xb", "stride_ym")]
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = GluonASTSource(fn=_direct_kernel, signature=sig, constexprs=const, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw, maxnreg=regs))
+    return k, report(k, f"direct nw={nw} split={split} D={d} regs={regs}")
+
+
+# (warps, split, D, registers) per shape: 1-warp programs, about 8-14 per SM
+SHAPES = {
+    (4096, 4096): [(1, 4, 2, 96), (1, 4, 4, 128), (1, 8, 2, 96)],
+    (4096, 14336): [(1, 2, 2, 96), (1, 2, 4, 128), (1, 2, 4, 168)],
+    (14336, 4096): [(1, 4, 2, 96), (1, 4, 4, 128), (1, 7, 4, 128)],
+    (5376, 21504): [(1, 1, 2, 96), (1, 1, 4, 128), (1, 1, 4, 168)],
+    (21504, 5376): [(1, 4, 2, 96), (1, 4, 4, 128), (1, 3, 4, 168)],
+    (8192, 28672): [(1, 1, 2, 96), (1, 1, 4, 128), (1, 2, 4, 128)],
+}
+
+
+def main():
+    from bench import kernels as B
+    from kernels import int4_gemm as G
+    out, res = sys.argv[1], {}
+    torch.manual_seed(0)
+    bad = []
+    for (K, N), cfgs in SHAPES.items():
+        packed, sz = G.quantize_int4(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), 128)
+        wref = G.dequantize_int4(packed, sz, 128, torch.float32).double()
+        for M in range(1, 9):
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            ref = x.double() @ wref.T
+            errs = {str(c): B.rel_err(direct_mm(x, packed, sz, c), ref) for c in cfgs}
+            errs["shipped"] = B.rel_err(G.int4_mm(x, packed, sz, 128), ref)
+            bad += [(K, N, M, c, e) for c, e in errs.items() if not e < 4e-3]
+            res.setdefault("check", {})[f"{K}x{N} M={M}"] = errs
+        B.log(f"{K}x{N} check: max rel err {max(max(v.values()) for k, v in res['check'].items() if k.startswith(f'{K}x{N}')):.2e}")
+        del wref
+    B.log("BAD", bad) if bad else B.log("all configs match the reference (rel err < 4e-3), M = 1..8")
+    json.dump(res, open(out, "w"), indent=1)
+    table = []
+    for (K, N), cfgs in SHAPES.items():
+        copies = B.copies_for(N * K / 2)
+        ops = B.gemm_operands(K, N, 128, copies)
+        for M in (1, 8):
+            xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+            variants = {"shipped": lambda i: G.int4_mm(xs[i], *ops[i], 128),
+                        "shipped alone": lambda i: B.int4_mm_alone(xs[i], *ops[i], 128)}
+            for c in cfgs:
+                variants[str(c)] = lambda i, c=c: direct_mm(xs[i], *ops[i], c)
+                variants[f"{c} trig"] = lambda i, c=c: direct_mm(xs[i], *ops[i], c, trigger=True, follows=True)
+            t = {}
+            for rnd in range(3):
+                for name, f in variants.items():
+                    t.setdefault(name, []).append(B.time_calls([lambda i=i: f(i) for i in range(copies)]))
+            res[f"{K}x{N} M={M}"] = t
+            med = {k: sorted(v)[1] for k, v in t.items()}
+            best = min((k for k in med if not k.startswith("shipped")), key=med.get)
+            floor = B.gemm_floor_bytes(M, K, N, 128) / 4.24e6
+            table.append((f"{K}x{N}", M, med["shipped"], med["shipped alone"], best, med[best], floor))
+            B.log(f"{K}x{N} M={M}: " + "  ".join(f"{k} {v:.2f}" for k, v in med.items()))
+            json.dump(res, open(out, "w"), indent=1)
+        del ops
+        torch.cuda.empty_cache()
+    B.log("| shape | M | shipped | shipped alone | best direct | us | floor/us (4.24 TB/s) |")
+    for s, M, a, al, name, b, fl in table:
+        B.log(f"| {s} | {M} | {a:.2f} | {al:.2f} | {name} | {b:.2f} | {fl / b:.2f} |")
+
+
+if __name__ == "__main__" and sys.argv[1] != "sass":
+    main()
+
+if __name__ == "__main__" and sys.argv[1] == "sass":
+    k, r = compile_offline(*[int(a) for a in sys.argv[2:]])
+    for key, val in r.items():
+        print(f"{key}: {val}")
+    open("/tmp/direct.ptx", "w").write(k.asm["ptx"])
+    open("/tmp/direct.ttgir", "w").write(k.asm["ttgir"])
