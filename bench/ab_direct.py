@@ -46,11 +46,12 @@ def _prep_b_kernel(x_ptr, xb_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexpr, 
 
 
 @constexpr_function
-def _words_layout(NW, W):
+def _words_layout(NW, W, R):
     warps = [[16 << i, 0] for i in range(NW.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+    reps = [[16 * NW << i, 0] for i in range(R.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]] + reps,
                                       lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=warps, block_bases=[], shape=[16 * NW, W])
+                                      warp_bases=warps, block_bases=[], shape=[16 * NW * R, W])
 
 
 @constexpr_function
@@ -98,13 +99,16 @@ def _consume(acc, w, sz, xw, xsum, ok, GROUP: gl.constexpr, BLOCK_N: gl.constexp
 @gluon.jit
 def _direct_kernel(xb_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_w, stride_xb, stride_ym,
                    n_g, GROUP: gl.constexpr, NW: gl.constexpr, SPLIT_K: gl.constexpr, D: gl.constexpr,
-                   PDL: gl.constexpr, TRIGGER: gl.constexpr):
-    BLOCK_N: gl.constexpr = 16 * NW
+                   PDL: gl.constexpr, TRIGGER: gl.constexpr, EARLY: gl.constexpr, R: gl.constexpr,
+                   MODE: gl.constexpr):
+    """MODE 0: the GEMM; 1 (hot): every program reads the weights of the first 512 rows (in L2); 2 (stream): the
+    loads only, xor-folded instead of unpacked and multiplied."""
+    BLOCK_N: gl.constexpr = 16 * NW * R
     W: gl.constexpr = GROUP // 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    words: gl.constexpr = _words_layout(NW, W)
+    words: gl.constexpr = _words_layout(NW, W, R)
     xwords: gl.constexpr = _xwords_layout(NW, W)
     if TRIGGER:
         _gdc_launch()
@@ -115,6 +119,8 @@ def _direct_kernel(xb_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, 
     last = g0 + n_g - 1
     rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, words))
     cols = gl.arange(0, W, layout=gl.SliceLayout(0, words))
+    if MODE == 1:
+        rows = rows % 512
     w_offs = rows[:, None] * stride_w + cols[None, :]
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     offs_m = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
@@ -129,6 +135,8 @@ def _direct_kernel(xb_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, 
         _gdc_wait()
     xs = (_load_x(xb_ptr, xs_ptr, x_offs, offs_m, g0, W), _load_x(xb_ptr, xs_ptr, x_offs, offs_m, g0, W))
     acc = gl.zeros([BLOCK_N, 8], gl.float32, mma)
+    kw = gl.zeros([BLOCK_N, W], gl.int32, words)
+    kx = gl.zeros([8, 4 * W], gl.int32, xwords)
     for c in range(0, n_g, D):
         g = g0 + c
         for j in gl.static_range(D):
@@ -141,9 +149,18 @@ def _direct_kernel(xb_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, 
                 cur = xs[1]
                 xs = (nxt, cur)
             w, sz = ws[j]
-            acc = _consume(acc, w, sz, cur[0], cur[1], c + j < n_g, GROUP, BLOCK_N, a_l, b_l, mma)
-            ws = ws[:j] + (_load_w(w_ptr, sz_ptr, w_offs, offs_n, gl.minimum(g + D + j, last), N, W),) + ws[j + 1:]
+            if EARLY:  # group g + j + D's load issued before group g + j is unpacked: D + 1 slots live
+                ws = ws[:j] + (_load_w(w_ptr, sz_ptr, w_offs, offs_n, gl.minimum(g + D + j, last), N, W),) + ws[j + 1:]
+            if MODE == 2:
+                kw = kw ^ w
+                kx = kx ^ cur[0]
+            else:
+                acc = _consume(acc, w, sz, cur[0], cur[1], c + j < n_g, GROUP, BLOCK_N, a_l, b_l, mma)
+            if not EARLY:
+                ws = ws[:j] + (_load_w(w_ptr, sz_ptr, w_offs, offs_n, gl.minimum(g + D + j, last), N, W),) + ws[j + 1:]
 
+    if MODE == 2:
+        acc += (gl.sum(gl.sum(kw, 1), 0) + gl.sum(gl.sum(kx, 1), 0)).to(gl.float32)
     out_ok = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     if SPLIT_K == 1:
@@ -161,28 +178,29 @@ def _direct_kernel(xb_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, 
             gl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
-def direct_mm(x, packed, scale_zero, config, trigger=False, follows=False):
-    """config: (warps, split, D, registers)."""
+def direct_mm(x, packed, scale_zero, config, trigger=False, follows=False, mode=0):
+    """config: (warps, split, D, registers, early, row tiles per warp)."""
     from kernels import int4_gemm as G
-    nw, split, d, regs = config
+    nw, split, d, regs, early, r = config
     M, K = x.shape
     N = packed.shape[0]
-    assert M <= 8 and K % (GROUP * split) == 0 and N % (16 * nw) == 0 and d % 2 == 0
+    assert M <= 8 and K % (GROUP * split) == 0 and N % (16 * nw * r) == 0 and d % 2 == 0
     xb = torch.empty((8, K), dtype=x.dtype, device=x.device)
     xs = torch.empty((K // GROUP, XS), dtype=torch.float32, device=x.device)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     _prep_b_kernel[(K // GROUP,)](x, xb, xs, M, K, x.stride(0), GROUP=GROUP, BLOCK_M=8, PDL=True, num_warps=4,
                                   launch_pdl=follows)
-    _direct_kernel[(N // (16 * nw), split)](xb.view(torch.int32), xs, packed.view(torch.int32),
+    _direct_kernel[(N // (16 * nw * r), split)](xb.view(torch.int32), xs, packed.view(torch.int32),
                                             scale_zero.view(torch.int32), y, ws, G.counters(x.device), M, N, K // 8,
                                             K // 2, y.stride(0), K // GROUP // split, GROUP=GROUP, NW=nw,
-                                            SPLIT_K=split, D=d, PDL=True, TRIGGER=trigger, num_warps=nw,
+                                            SPLIT_K=split, D=d, PDL=True, TRIGGER=trigger, EARLY=bool(early), R=r, MODE=mode,
+                                            num_warps=nw,
                                             maxnreg=regs, launch_pdl=True)
     return y
 
 
-def compile_offline(nw=1, split=1, d=4, regs=128):
+def compile_offline(nw=1, split=1, d=4, regs=128, early=1, r=1, mode=0):
     """The SASS report of one config (bench.sass) on a machine without a GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -190,7 +208,7 @@ def compile_offline(nw=1, split=1, d=4, regs=128):
     from bench.sass import report
     sig = dict(xb_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", sz_ptr="*i32", y_ptr="*bf16", ws_ptr="*fp32",
                cnt_ptr="*i32", M="i32", N="i32", stride_w="i32", stride_xb="i32", stride_ym="i32", n_g="i32")
-    const = dict(GROUP=GROUP, NW=nw, SPLIT_K=split, D=d, PDL=True, TRIGGER=False)
+    const = dict(GROUP=GROUP, NW=nw, SPLIT_K=split, D=d, PDL=True, TRIGGER=False, EARLY=bool(early), R=r, MODE=mode)
     sig.update({k: "constexpr" for k in const})
     names = list(sig)
     aligned = [a for a in ("xb_ptr", "xs_ptr", "w_ptr", "sz_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "stride_w",
@@ -201,15 +219,16 @@ def compile_offline(nw=1, split=1, d=4, regs=128):
     return k, report(k, f"direct nw={nw} split={split} D={d} regs={regs}")
 
 
-# (warps, split, D, registers) per shape: 1-warp programs, about 8-14 per SM
+# (warps, split, D, registers, early, row tiles per warp) per shape, and (config, mode) diagnostics
 SHAPES = {
-    (4096, 4096): [(1, 4, 2, 96), (1, 4, 4, 128), (1, 8, 2, 96)],
-    (4096, 14336): [(1, 2, 2, 96), (1, 2, 4, 128), (1, 2, 4, 168)],
-    (14336, 4096): [(1, 4, 2, 96), (1, 4, 4, 128), (1, 7, 4, 128)],
-    (5376, 21504): [(1, 1, 2, 96), (1, 1, 4, 128), (1, 1, 4, 168)],
-    (21504, 5376): [(1, 4, 2, 96), (1, 4, 4, 128), (1, 3, 4, 168)],
-    (8192, 28672): [(1, 1, 2, 96), (1, 1, 4, 128), (1, 2, 4, 128)],
+    (5376, 21504): [(1, 1, 2, 96, 1, 1), (1, 1, 4, 168, 1, 1), (1, 2, 2, 96, 1, 1), (1, 1, 2, 168, 1, 2),
+                    (1, 2, 2, 128, 1, 2), (2, 1, 2, 168, 1, 2)],
+    (21504, 5376): [(1, 4, 2, 96, 1, 1), (1, 8, 2, 96, 1, 1), (1, 4, 2, 168, 1, 2), (1, 8, 2, 128, 1, 2)],
+    (8192, 28672): [(1, 1, 2, 96, 1, 1), (1, 1, 4, 128, 1, 1), (1, 1, 2, 168, 1, 2), (1, 2, 2, 128, 1, 2)],
 }
+DIAG = {(5376, 21504): [((1, 1, 2, 96, 1, 1), 1), ((1, 1, 2, 96, 1, 1), 2), ((1, 1, 2, 168, 1, 2), 1),
+                        ((1, 1, 2, 168, 1, 2), 2)],
+        (8192, 28672): [((1, 1, 2, 96, 1, 1), 1), ((1, 1, 2, 96, 1, 1), 2)]}
 
 
 def main():
@@ -221,7 +240,7 @@ def main():
     for (K, N), cfgs in SHAPES.items():
         packed, sz = G.quantize_int4(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), 128)
         wref = G.dequantize_int4(packed, sz, 128, torch.float32).double()
-        for M in range(1, 9):
+        for M in (1, 3, 8):
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ wref.T
             errs = {str(c): B.rel_err(direct_mm(x, packed, sz, c), ref) for c in cfgs}
@@ -242,14 +261,16 @@ def main():
                         "shipped alone": lambda i: B.int4_mm_alone(xs[i], *ops[i], 128)}
             for c in cfgs:
                 variants[str(c)] = lambda i, c=c: direct_mm(xs[i], *ops[i], c)
-                variants[f"{c} trig"] = lambda i, c=c: direct_mm(xs[i], *ops[i], c, trigger=True, follows=True)
+            for c, mode in DIAG.get((K, N), []) if M == 1 else []:
+                variants[f"{c} {['', 'hot', 'stream'][mode]}"] = lambda i, c=c, mode=mode: direct_mm(xs[i], *ops[i], c,
+                                                                                                      mode=mode)
             t = {}
             for rnd in range(3):
                 for name, f in variants.items():
                     t.setdefault(name, []).append(B.time_calls([lambda i=i: f(i) for i in range(copies)]))
             res[f"{K}x{N} M={M}"] = t
             med = {k: sorted(v)[1] for k, v in t.items()}
-            best = min((k for k in med if not k.startswith("shipped")), key=med.get)
+            best = min((k for k in med if not k.startswith("shipped") and k.endswith(")")), key=med.get)
             floor = B.gemm_floor_bytes(M, K, N, 128) / 4.24e6
             table.append((f"{K}x{N}", M, med["shipped"], med["shipped alone"], best, med[best], floor))
             B.log(f"{K}x{N} M={M}: " + "  ".join(f"{k} {v:.2f}" for k, v in med.items()))
