@@ -18,7 +18,7 @@ import triton.language as tl
 from triton import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kernels.int4_gluon import _a_operand, _gdc_launch, _gdc_wait
 
@@ -80,6 +80,13 @@ def _load_w(w_ptr, sz_ptr, w_offs, sz_offs, g, N, W: gl.constexpr):
 
 
 @gluon.jit
+def _copy_w(w_ptr, sz_ptr, w_offs, sz_offs, g, N, W: gl.constexpr, w_s, sz_s):
+    async_copy.async_copy_global_to_shared(w_s, w_ptr + w_offs + g * W, cache_modifier=".cg")
+    async_copy.async_copy_global_to_shared(sz_s, sz_ptr + sz_offs + g * N)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _load_x(xb_ptr, xs_ptr, x_offs, xs_offs, g, W: gl.constexpr):
     return gl.load(xb_ptr + x_offs + g * 4 * W), gl.load(xs_ptr + xs_offs + g * 32)
 
@@ -100,8 +107,10 @@ def _consume(acc, w, sz, xw, xsum, ok, GROUP: gl.constexpr, BLOCK_N: gl.constexp
 def _direct_kernel(xb_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_w, stride_xb, stride_ym,
                    n_g, GROUP: gl.constexpr, NW: gl.constexpr, SPLIT_K: gl.constexpr, D: gl.constexpr,
                    PDL: gl.constexpr, TRIGGER: gl.constexpr, EARLY: gl.constexpr, R: gl.constexpr,
-                   MODE: gl.constexpr):
-    """MODE 0: the GEMM; 1 (hot): every program reads the weights of the first 512 rows (in L2); 2 (stream): the
+                   MODE: gl.constexpr, S: gl.constexpr):
+    """S > 0: the weights and scale/zero words by cp.async into a ring of S stages, S - 1 groups ahead (each thread
+    reads back only the words it copied itself, so no barrier); S = 0: loaded D groups ahead into registers.
+    MODE 0: the GEMM; 1 (hot): every program reads the weights of the first 512 rows (in L2); 2 (stream): the
     loads only, xor-folded instead of unpacked and multiplied."""
     BLOCK_N: gl.constexpr = 16 * NW * R
     W: gl.constexpr = GROUP // 8
@@ -129,8 +138,16 @@ def _direct_kernel(xb_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, 
     x_offs = xr[:, None] * stride_xb + xc[None, :]
 
     ws = ()
-    for j in gl.static_range(D):
-        ws = ws + (_load_w(w_ptr, sz_ptr, w_offs, offs_n, gl.minimum(g0 + j, last), N, W),)
+    if S > 0:
+        w_smem = gl.allocate_shared_memory(gl.int32, [S, BLOCK_N, W],
+                                           gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
+        sz_smem = gl.allocate_shared_memory(gl.int32, [S, BLOCK_N],
+                                            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+        for j in gl.static_range(S - 1):
+            _copy_w(w_ptr, sz_ptr, w_offs, offs_n, gl.minimum(g0 + j, last), N, W, w_smem.index(j), sz_smem.index(j))
+    else:
+        for j in gl.static_range(D):
+            ws = ws + (_load_w(w_ptr, sz_ptr, w_offs, offs_n, gl.minimum(g0 + j, last), N, W),)
     if PDL:
         _gdc_wait()
     xs = (_load_x(xb_ptr, xs_ptr, x_offs, offs_m, g0, W), _load_x(xb_ptr, xs_ptr, x_offs, offs_m, g0, W))
@@ -148,15 +165,23 @@ def _direct_kernel(xb_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, 
             else:
                 cur = xs[1]
                 xs = (nxt, cur)
-            w, sz = ws[j]
-            if EARLY:  # group g + j + D's load issued before group g + j is unpacked: D + 1 slots live
+            if S > 0:
+                gi = c + j
+                _copy_w(w_ptr, sz_ptr, w_offs, offs_n, gl.minimum(g + j + S - 1, last), N, W,
+                        w_smem.index((gi + S - 1) % S), sz_smem.index((gi + S - 1) % S))
+                async_copy.wait_group(S - 1)
+                w = w_smem.index(gi % S).load(words)
+                sz = sz_smem.index(gi % S).load(gl.SliceLayout(1, mma))
+            else:
+                w, sz = ws[j]
+            if EARLY and S == 0:  # group g + j + D's load issued before group g + j is unpacked: D + 1 slots live
                 ws = ws[:j] + (_load_w(w_ptr, sz_ptr, w_offs, offs_n, gl.minimum(g + D + j, last), N, W),) + ws[j + 1:]
             if MODE == 2:
                 kw = kw ^ w
                 kx = kx ^ cur[0]
             else:
                 acc = _consume(acc, w, sz, cur[0], cur[1], c + j < n_g, GROUP, BLOCK_N, a_l, b_l, mma)
-            if not EARLY:
+            if not EARLY and S == 0:
                 ws = ws[:j] + (_load_w(w_ptr, sz_ptr, w_offs, offs_n, gl.minimum(g + D + j, last), N, W),) + ws[j + 1:]
 
     if MODE == 2:
@@ -179,9 +204,9 @@ def _direct_kernel(xb_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, 
 
 
 def direct_mm(x, packed, scale_zero, config, trigger=False, follows=False, mode=0):
-    """config: (warps, split, D, registers, early, row tiles per warp)."""
+    """config: (warps, split, D, registers, early, row tiles per warp[, cp.async stages])."""
     from kernels import int4_gemm as G
-    nw, split, d, regs, early, r = config
+    nw, split, d, regs, early, r, *stages = config
     M, K = x.shape
     N = packed.shape[0]
     assert M <= 8 and K % (GROUP * split) == 0 and N % (16 * nw * r) == 0 and d % 2 == 0
@@ -194,13 +219,13 @@ def direct_mm(x, packed, scale_zero, config, trigger=False, follows=False, mode=
     _direct_kernel[(N // (16 * nw * r), split)](xb.view(torch.int32), xs, packed.view(torch.int32),
                                             scale_zero.view(torch.int32), y, ws, G.counters(x.device), M, N, K // 8,
                                             K // 2, y.stride(0), K // GROUP // split, GROUP=GROUP, NW=nw,
-                                            SPLIT_K=split, D=d, PDL=True, TRIGGER=trigger, EARLY=bool(early), R=r, MODE=mode,
+                                            SPLIT_K=split, D=d, PDL=True, TRIGGER=trigger, EARLY=bool(early), R=r, MODE=mode, S=stages[0] if stages else 0,
                                             num_warps=nw,
                                             maxnreg=regs, launch_pdl=True)
     return y
 
 
-def compile_offline(nw=1, split=1, d=4, regs=128, early=1, r=1, mode=0):
+def compile_offline(nw=1, split=1, d=4, regs=128, early=1, r=1, mode=0, s=0):
     """The SASS report of one config (bench.sass) on a machine without a GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -208,7 +233,7 @@ def compile_offline(nw=1, split=1, d=4, regs=128, early=1, r=1, mode=0):
     from bench.sass import report
     sig = dict(xb_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", sz_ptr="*i32", y_ptr="*bf16", ws_ptr="*fp32",
                cnt_ptr="*i32", M="i32", N="i32", stride_w="i32", stride_xb="i32", stride_ym="i32", n_g="i32")
-    const = dict(GROUP=GROUP, NW=nw, SPLIT_K=split, D=d, PDL=True, TRIGGER=False, EARLY=bool(early), R=r, MODE=mode)
+    const = dict(GROUP=GROUP, NW=nw, SPLIT_K=split, D=d, PDL=True, TRIGGER=False, EARLY=bool(early), R=r, MODE=mode, S=s)
     sig.update({k: "constexpr" for k in const})
     names = list(sig)
     aligned = [a for a in ("xb_ptr", "xs_ptr", "w_ptr", "sz_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "stride_w",
@@ -221,14 +246,15 @@ def compile_offline(nw=1, split=1, d=4, regs=128, early=1, r=1, mode=0):
 
 # (warps, split, D, registers, early, row tiles per warp) per shape, and (config, mode) diagnostics
 SHAPES = {
-    (5376, 21504): [(1, 1, 2, 96, 1, 1), (1, 1, 4, 168, 1, 1), (1, 2, 2, 96, 1, 1), (1, 1, 2, 168, 1, 2),
-                    (1, 2, 2, 128, 1, 2), (2, 1, 2, 168, 1, 2)],
-    (21504, 5376): [(1, 4, 2, 96, 1, 1), (1, 8, 2, 96, 1, 1), (1, 4, 2, 168, 1, 2), (1, 8, 2, 128, 1, 2)],
-    (8192, 28672): [(1, 1, 2, 96, 1, 1), (1, 1, 4, 128, 1, 1), (1, 1, 2, 168, 1, 2), (1, 2, 2, 128, 1, 2)],
+    (5376, 21504): [(1, 1, 2, 96, 1, 1, 8), (1, 1, 2, 96, 1, 1, 12), (1, 1, 2, 128, 1, 2, 6), (1, 2, 2, 128, 1, 2, 8),
+                    (1, 2, 2, 96, 1, 1, 4)],
+    (21504, 5376): [(1, 4, 2, 96, 1, 1, 8), (1, 4, 2, 96, 1, 1, 12), (1, 8, 2, 128, 1, 2, 8), (1, 4, 2, 128, 1, 2, 8)],
+    (8192, 28672): [(1, 1, 2, 96, 1, 1, 8), (1, 1, 2, 96, 1, 1, 12), (1, 1, 2, 128, 1, 2, 8), (1, 2, 2, 128, 1, 2, 6)],
+    (4096, 14336): [(1, 2, 2, 96, 1, 1, 8), (1, 2, 2, 128, 1, 2, 8), (1, 1, 2, 128, 1, 2, 12)],
 }
-DIAG = {(5376, 21504): [((1, 1, 2, 96, 1, 1), 1), ((1, 1, 2, 96, 1, 1), 2), ((1, 1, 2, 168, 1, 2), 1),
-                        ((1, 1, 2, 168, 1, 2), 2)],
-        (8192, 28672): [((1, 1, 2, 96, 1, 1), 1), ((1, 1, 2, 96, 1, 1), 2)]}
+DIAG = {(5376, 21504): [((1, 1, 2, 96, 1, 1, 8), 1), ((1, 1, 2, 96, 1, 1, 8), 2), ((1, 1, 2, 128, 1, 2, 6), 1),
+                        ((1, 1, 2, 128, 1, 2, 6), 2)],
+        (8192, 28672): [((1, 1, 2, 96, 1, 1, 8), 1), ((1, 1, 2, 96, 1, 1, 8), 2)]}
 
 
 def main():
