@@ -78,7 +78,6 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 28672): (1, 4, 64),   # fused gate|up
     (4096, 4096): (8, 2, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 2, 64, 2),  # 2 stages: item 23
 }
-TILED_BOX = False  # temporary (bench/ab_box.py): `packed` stored tile-major, copied in [4, 256]-word boxes
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
@@ -121,11 +120,7 @@ def _gdc_launch():
 @gluon.jit
 def _issue_weights(w_desc, sz_desc, bar, w_s, sz_s, n0, g, nbytes: gl.constexpr):
     mbarrier.expect(bar, nbytes)  # every TMA byte of the stage (with the prep kernel, x's and X's copies too)
-    if w_desc.block_type.shape[1] == 256:  # TILED_BOX (temporary): tile-major weights, a [4, 256]-word box
-        groups = sz_desc.shape[0]
-        tma.async_copy_global_to_shared(w_desc, [((n0 // 64) * groups + g) * 4, 0], bar, w_s)
-    else:
-        tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
+    tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
     tma.async_copy_global_to_shared(sz_desc, [g, n0], bar, sz_s)
 
 
@@ -251,12 +246,7 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
     for g in range(n_g):
         st = g % STAGES
         mbarrier.wait(full.index(st), (g // STAGES) & 1)
-        if w_smem.type.shape[2] == 256:  # TILED_BOX: the stage is 64 contiguous rows of 64 bytes
-            plain: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0])
-            w = _a_operand(w_smem.index(st)._reinterpret(gl.int32, [BLOCK_N, W], plain).load(words), BLOCK_N, GROUP,
-                           a_l)
-        else:
-            w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
+        w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
         sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
         x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
         s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
@@ -287,7 +277,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
     g0 = pid_k * n_g
 
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], X_LAYOUT)
     sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], sz_desc.layout)
     xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, XS_WIDTH], sz_desc.layout)
@@ -404,11 +394,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     trigger = pdl and triggers(N, split, x.device)  # the overlap mode (module docstring)
     follows = pdl and last_launch_triggers(x.device)  # the call's first kernel launched as a dependent
     w_layout, x_layout, words = _shared_layouts(block_m)
-    if TILED_BOX:
-        w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32).view(-1, 256), [4, 256],
-                                              gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-    else:
-        w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
+    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
     if x_depth:
         x_desc = xs_desc = None
