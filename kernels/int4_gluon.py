@@ -65,9 +65,9 @@ XS_WIDTH = gl.constexpr(32)  # floats per group in the X buffer (16 used): 128 b
 MAX_SPLIT = 16
 
 # (split, stages, registers[, x_depth]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17, 21, 22
-# and 23; calls 37, 51, 59-61 and 73), for the shapes where this path beat kernels/int4_gemm.py (None: a
-# shape it did not; `bench.kernels --tune` redoes it); x_depth > 0: x staged by the kernel itself, one launch, at
-# M <= 8. Other shapes: `pick`.
+# and 23; calls 37, 51, 59-61 and 73), for the shapes where this path beat kernels/int4_gemm.py (None: a shape it did
+# not; `bench.kernels --tune` redoes it); x_depth > 0: x staged by the kernel itself, one launch, at M <= 8.
+# Other shapes: `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 14336): (2, 4, 64),  # split 2: enough programs per SM for the overlap mode
     (14336, 4096): (8, 4, 64, 2),
