@@ -395,7 +395,9 @@ def read_ceiling(nbytes: int, copies: int) -> dict:
     """What one launch that only reads `nbytes` costs back to back (rotating copies > L2, as the GEMMs are
     timed): the fastest of the read kernel above at 4, 8 and 16 programs per SM and torch's sum. The floor
     counts bytes at the copy bandwidth of 2 GiB; a one-wave read of tens of MB also pays the launch, the
-    first requests' latency and the tail, and this is that cost with no arithmetic at all."""
+    first requests' latency and the tail, and this is that cost with no arithmetic at all. `read_overlap_us`: the
+    read kernel overlapped back to back (OVERLAP), as our GEMM calls are in the overlap mode, which hides most of
+    that cost (bench/NOTES.md item 26)."""
     sms = RESULTS["env"]["sms"]
     out = torch.empty(16 * sms, dtype=torch.int32, device="cuda")
     times, overlapped = {}, {}
