@@ -373,17 +373,22 @@ def gemm_floor_bytes(M, K, N, group):
 
 
 @triton.jit
-def _read_kernel(x_ptr, out_ptr, words_per_program, BLOCK: tl.constexpr, OVERLAP: tl.constexpr):
+def _read_kernel(x_ptr, out_ptr, words_per_program, BLOCK: tl.constexpr, OVERLAP: tl.constexpr,
+                 WAIT_FIRST: tl.constexpr):
     """Sums one contiguous chunk of int32 words per program: nothing but a read of the bytes. OVERLAP: launched as
     a programmatic dependent, it lets the next read launch at its start and waits for the previous one only before
-    its store, so back to back each read runs during the previous one's tail (the GEMM's overlap mode)."""
+    its store, so back to back each read runs during the previous one's tail (the GEMM's overlap mode).
+    WAIT_FIRST: it waits after its first BLOCK words (16 KB a program), as a GEMM must wait for its input once
+    its first ring is requested."""
     if OVERLAP:
         gdc_launch_dependents()
     base = tl.program_id(0).to(tl.int64) * words_per_program
-    acc = tl.zeros([BLOCK], tl.int32)
-    for off in range(0, words_per_program, BLOCK):
+    acc = tl.load(x_ptr + base + tl.arange(0, BLOCK), cache_modifier=".cg")
+    if WAIT_FIRST:
+        gdc_wait()
+    for off in range(BLOCK, words_per_program, BLOCK):
         acc += tl.load(x_ptr + base + off + tl.arange(0, BLOCK), cache_modifier=".cg")
-    if OVERLAP:
+    if OVERLAP and not WAIT_FIRST:
         gdc_wait()
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
 
@@ -397,28 +402,32 @@ def read_ceiling(nbytes: int, copies: int) -> dict:
     counts bytes at the copy bandwidth of 2 GiB; a one-wave read of tens of MB also pays the launch, the
     first requests' latency and the tail, and this is that cost with no arithmetic at all. `read_overlap_us`: the
     read kernel overlapped back to back (OVERLAP), as our GEMM calls are in the overlap mode, which hides most of
-    that cost (bench/NOTES.md item 26)."""
+    that cost (bench/NOTES.md item 26); `read_dep_us`: overlapped but waiting for the previous read after its
+    first 16 KB a program (WAIT_FIRST), as a GEMM waits for its input after its first ring."""
     sms = RESULTS["env"]["sms"]
     out = torch.empty(16 * sms, dtype=torch.int32, device="cuda")
-    times, overlapped = {}, {}
+    modes = {"read": (False, False), "read_overlap": (True, False), "read_dep": (True, True)}
+    times = {mode: {} for mode in modes}
     for per_sm in (4, 8, 16):
         programs = per_sm * sms
         per = math.ceil(nbytes / 4 / programs / READ_BLOCK) * READ_BLOCK
         bufs = [torch.randint(0, 1 << 20, (programs * per,), dtype=torch.int32, device="cuda") for _ in range(copies)]
-        for ovl, into in ((False, times), (True, overlapped)):
-            read = lambda b: _read_kernel[(programs,)](b, out, per, BLOCK=READ_BLOCK, OVERLAP=ovl, num_warps=8,
-                                                       launch_pdl=ovl)
+        for mode, (ovl, wait_first) in modes.items():
+            read = lambda b: _read_kernel[(programs,)](b, out, per, BLOCK=READ_BLOCK, OVERLAP=ovl,
+                                                       WAIT_FIRST=wait_first, num_warps=8, launch_pdl=ovl)
             read(bufs[0])  # it reads every word
             assert torch.equal(out[:programs].long() & 0xFFFFFFFF, bufs[0].view(programs, per).sum(1) & 0xFFFFFFFF)
-            into[f"read kernel, {per_sm} per SM"] = time_calls([lambda b=b: read(b) for b in bufs])
+            times[mode][f"read kernel, {per_sm} per SM"] = time_calls([lambda b=b: read(b) for b in bufs])
         del bufs
     bufs = [torch.randn(nbytes // 2, device="cuda").to(torch.bfloat16) for _ in range(copies)]
-    times["torch.sum"] = time_calls([lambda b=b: b.sum() for b in bufs])
+    times["read"]["torch.sum"] = time_calls([lambda b=b: b.sum() for b in bufs])
     del bufs
     torch.cuda.empty_cache()
-    best, best_ovl = min(times, key=times.get), min(overlapped, key=overlapped.get)
-    return dict(read_us=times[best], read_how=best, read_all=times, read_overlap_us=overlapped[best_ovl],
-                read_overlap_how=best_ovl, read_overlap_all=overlapped)
+    out = {}
+    for mode, t in times.items():
+        best = min(t, key=t.get)
+        out.update({f"{mode}_us": t[best], f"{mode}_how": best, f"{mode}_all": t})
+    return out
 
 
 # (BLOCK_N, BLOCK_K, warps, stages[, register cap]); SPLIT_K in {1, 2, 4, 8} is added per shape
@@ -529,7 +538,8 @@ def section_gemm():
         wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
         read = read_ceiling(N * K // 2 + 2 * (K // 128) * N * 2, copies)  # the weights' bytes, M-independent
         log(f"read {K}x{N}: {read['read_us']:.1f} us ({read['read_how']}), overlapped {read['read_overlap_us']:.1f} "
-            f"({read['read_overlap_how']}); " + ", ".join(f"{k} {v:.1f}" for k, v in read["read_all"].items()))
+            f"({read['read_overlap_how']}), waiting after the first ring {read['read_dep_us']:.1f} "
+            f"({read['read_dep_how']}); " + ", ".join(f"{k} {v:.1f}" for k, v in read["read_all"].items()))
         path = gemm_path(K, N)  # (the same for every M <= 8)
         for M in MS:
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(max(copies, nb))]
@@ -540,7 +550,7 @@ def section_gemm():
             floor = gemm_floor_bytes(M, K, N, 128) / bw * 1e6
             row = dict(K=K, N=N, M=M, ours_us=ours, ours_alone_us=alone, torch_int4_us=peer, bf16_us=dense,
                        floor_us=floor, floor_frac=floor / ours, read_us=read["read_us"],
-                       read_overlap_us=read["read_overlap_us"], config=path)
+                       read_overlap_us=read["read_overlap_us"], read_dep_us=read["read_dep_us"], config=path)
             rows.append(row)
             log(f"gemm {K}x{N} M={M}: ours {ours:.1f} (alone {alone:.1f}) torch-int4 {peer:.1f} bf16 {dense:.1f} "
                 f"floor {floor:.1f} ({floor / ours:.2f})")
@@ -821,14 +831,14 @@ def print_tables():
     if "gemm" in RESULTS:
         log("\nGEMM (us; group 128; floor_frac = floor/ours)")
         log(f"{'K x N':>13} {'M':>2} {'ours':>7} {'alone':>7} {'t-int4':>7} {'bf16':>7} {'floor':>6} {'frac':>5} "
-            f"{'read':>6} {'floor/read':>10} {'read_ovl':>8} {'floor/read_ovl':>14}")
+            f"{'read':>6} {'read_ovl':>8} {'read_dep':>8} {'floor/read/ovl/dep':>18}")
         for r in RESULTS["gemm"]:
             if r.get("group") == 32:
                 continue
+            fracs = "/".join(f"{r['floor_us'] / r[k]:.2f}" for k in ("read_us", "read_overlap_us", "read_dep_us"))
             log(f"{r['K']:>6}x{r['N']:<6} {r['M']:>2} {r['ours_us']:7.1f} {r['ours_alone_us']:7.1f} "
                 f"{r['torch_int4_us']:7.1f} {r['bf16_us']:7.1f} {r['floor_us']:6.1f} {r['floor_frac']:5.2f} "
-                f"{r['read_us']:6.1f} {r['floor_us'] / r['read_us']:10.2f} {r['read_overlap_us']:8.1f} "
-                f"{r['floor_us'] / r['read_overlap_us']:14.2f}")
+                f"{r['read_us']:6.1f} {r['read_overlap_us']:8.1f} {r['read_dep_us']:8.1f} {fracs:>18}")
     if "sdpa" in RESULTS:
         log("\nSDPA (us; Hq 32, Hkv 8, D 128)")
         log(f"{'L':>7} {'M':>2} {'ours':>7} {'torch':>8} {'floor':>6} {'frac':>5} {'speedup':>7}")
