@@ -423,11 +423,11 @@ def read_ceiling(nbytes: int, copies: int) -> dict:
     times["read"]["torch.sum"] = time_calls([lambda b=b: b.sum() for b in bufs])
     del bufs
     torch.cuda.empty_cache()
-    out = {}
+    ceilings = {}
     for mode, t in times.items():
         best = min(t, key=t.get)
-        out.update({f"{mode}_us": t[best], f"{mode}_how": best, f"{mode}_all": t})
-    return out
+        ceilings.update({f"{mode}_us": t[best], f"{mode}_how": best, f"{mode}_all": t})
+    return ceilings
 
 
 # (BLOCK_N, BLOCK_K, warps, stages[, register cap]); SPLIT_K in {1, 2, 4, 8} is added per shape
