@@ -831,14 +831,14 @@ def print_tables():
     if "gemm" in RESULTS:
         log("\nGEMM (us; group 128; floor_frac = floor/ours)")
         log(f"{'K x N':>13} {'M':>2} {'ours':>7} {'alone':>7} {'t-int4':>7} {'bf16':>7} {'floor':>6} {'frac':>5} "
-            f"{'read':>6} {'read_ovl':>8} {'read_dep':>8} {'floor/read/ovl/dep':>18}")
+            f"{'read':>6} {'read_overlap':>12} {'read_dep':>8} {'floor/read/overlap/dep':>22}")
         for r in RESULTS["gemm"]:
             if r.get("group") == 32:
                 continue
             fracs = "/".join(f"{r['floor_us'] / r[k]:.2f}" for k in ("read_us", "read_overlap_us", "read_dep_us"))
             log(f"{r['K']:>6}x{r['N']:<6} {r['M']:>2} {r['ours_us']:7.1f} {r['ours_alone_us']:7.1f} "
                 f"{r['torch_int4_us']:7.1f} {r['bf16_us']:7.1f} {r['floor_us']:6.1f} {r['floor_frac']:5.2f} "
-                f"{r['read_us']:6.1f} {r['read_overlap_us']:8.1f} {r['read_dep_us']:8.1f} {fracs:>18}")
+                f"{r['read_us']:6.1f} {r['read_overlap_us']:12.1f} {r['read_dep_us']:8.1f} {fracs:>22}")
     if "sdpa" in RESULTS:
         log("\nSDPA (us; Hq 32, Hkv 8, D 128)")
         log(f"{'L':>7} {'M':>2} {'ours':>7} {'torch':>8} {'floor':>6} {'frac':>5} {'speedup':>7}")
