@@ -17,7 +17,8 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
   ours also `alone`: each call as if a kernel not ours ran before it (no start during the previous call's
   tail; kernels/int4_gluon.py, overlap mode), as after torch's ops in a model; and `read`: one launch that
   only reads the weights' bytes (a plain read kernel or torch's sum, the faster), what the floor's bytes cost
-  in one launch without any arithmetic;
+  in one launch without any arithmetic; `read_overlap` that read overlapped back to back as our calls are, and
+  `read_dep` the same waiting for its predecessor after its first 16 KB a program, as a GEMM waits for x;
 - sdpa: L in {4096, 32768, 131072}, M = 1..8, Hq 32 / Hkv 8 / D 128: ours, torch SDPA with the same bool
   mask (enable_gqa), the floor = K+V bytes / copy bandwidth;
 - model: Llama-3-8B shapes with random weights, CUDA-graph replays of the cached forward at 4096 and 32768
@@ -368,8 +369,13 @@ def int4_mm_alone(x, packed, scale_zero, group):
     return G.int4_mm(x, packed, scale_zero, group)
 
 
+def weight_bytes(K, N, group):
+    """The packed INT4 weights and their scale/zero words: what a GEMM call must read whatever M is."""
+    return N * K // 2 + 2 * (K // group) * N * 2
+
+
 def gemm_floor_bytes(M, K, N, group):
-    return N * K / 2 + 2 * (K // group) * N * 2 + M * K * 2 + M * N * 2
+    return weight_bytes(K, N, group) + M * K * 2 + M * N * 2
 
 
 @triton.jit
@@ -536,7 +542,7 @@ def section_gemm():
         tg = [to_tinygemm(*o, 128, TINYGEMM_EVEN_HIGH) for o in ops]
         nb = max(2, copies_for(N * K * 2) )
         wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
-        read = read_ceiling(N * K // 2 + 2 * (K // 128) * N * 2, copies)  # the weights' bytes, M-independent
+        read = read_ceiling(weight_bytes(K, N, 128), copies)
         log(f"read {K}x{N}: {read['read_us']:.1f} us ({read['read_how']}), overlapped {read['read_overlap_us']:.1f} "
             f"({read['read_overlap_how']}), waiting after the first ring {read['read_dep_us']:.1f} "
             f"({read['read_dep_how']}); " + ", ".join(f"{k} {v:.1f}" for k, v in read["read_all"].items()))
