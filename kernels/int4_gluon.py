@@ -160,13 +160,13 @@ def _asm_void(code: gl.constexpr, constraints: gl.constexpr, args):
 
 
 @gluon.jit
-def _cluster_init(red_off, rank, SPLIT_K: gl.constexpr):
+def _cluster_init(red_off, rank, SPLIT_K: gl.constexpr, PART: gl.constexpr):
     """Thread 0: this CTA's `ready` mbarrier (rank 0: every thread of the other CTAs arrives once its partial is
     in its shared memory) or `done` (the others: rank 0's threads arrive once they have read it), in the private
-    region past Triton's shared memory (red_off: partial [BLOCK_N * BLOCK_M] floats, then the two barriers)."""
+    region past Triton's shared memory (red_off: the partial, PART bytes, then the two barriers)."""
     one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     t = gl.arange(0, 128, layout=one)
-    bar = _smem_base(t) + red_off + 2048 + 8 * (rank != 0).to(gl.int32)
+    bar = _smem_base(t) + red_off + PART + 8 * (rank != 0).to(gl.int32)
     count = gl.where(rank == 0, (SPLIT_K - 1) * 128, 128) + t * 0
     _asm_void("{ .reg .pred p; setp.eq.u32 p, $1, 0; @p mbarrier.init.shared::cta.b64 [$2], $3; }\n"
               "fence.mbarrier_init.release.cluster; // dummy $0", "=r,r,r,r", [t, bar, count])
@@ -180,7 +180,7 @@ def _cluster_sum(acc, red_off, rank, offs, SPLIT_K: gl.constexpr):
     exit only after it has read them. -> the sum on rank 0 (others: their own partial)."""
     one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     t = gl.arange(0, 128, layout=one)
-    ready = _smem_base(t) + red_off + 2048
+    ready = _smem_base(t) + red_off + offs.numel * 4
     done = ready + 8
     addr = _smem_base(offs) + red_off + offs * 4
     total = acc
@@ -384,7 +384,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 else 2)  # (+ the producer's store of x)
         mbarrier.init(empty.index(i), count=1)
     if CLUSTER:
-        _cluster_init(red_off, pid_k, SPLIT_K)
+        _cluster_init(red_off, pid_k, SPLIT_K, BLOCK_N * BLOCK_M * 4)
     PRODUCER_WARPS: gl.constexpr = 4 if CLUSTER else 1  # (no padding warps: every warp arrives on the cluster barrier)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
@@ -524,7 +524,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     if cluster:  # a cluster of `split` CTAs per column tile; the private region past Triton's shared memory
         k = _int4_mm_kernel.warmup(*args, red_off, grid=grid, **kw)
         red_off = -(-k.metadata.shared // 128) * 128
-        k.packed_metadata = (k.metadata.num_warps, split, red_off + 2048 + 16)
+        k.packed_metadata = (k.metadata.num_warps, split, red_off + BLOCK_N * block_m * 4 + 16)
     _int4_mm_kernel[grid](*args, red_off, **kw)
     note_launch(x.device, trigger)
     return y
