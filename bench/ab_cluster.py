@@ -29,9 +29,13 @@ def main():
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = x.double() @ wref.T
             shipped = G.int4_mm(x, packed, sz, 128)
-            int4_gluon.CLUSTER_SUM = True
+            int4_gluon.CLUSTER_SUM = 1
             ys = [G.int4_mm(x, packed, sz, 128) for _ in range(3)]
-            int4_gluon.CLUSTER_SUM = False
+            int4_gluon.CLUSTER_SUM = 2
+            ys.append(G.int4_mm(x, packed, sz, 128))
+            int4_gluon.CLUSTER_SUM = 3
+            ys.append(G.int4_mm(x, packed, sz, 128))
+            int4_gluon.CLUSTER_SUM = 0
             torch.cuda.synchronize()
             e = B.rel_err(ys[0], ref)
             same = all(torch.equal(y, shipped) for y in ys)
@@ -47,13 +51,14 @@ def main():
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
             t = {}
             for rnd in range(3):
-                for name, flag in (("workspace", False), ("cluster", True)):
+                for name, flag in (("workspace", 0), ("cluster", 1), ("cluster launch, workspace", 2),
+                                   ("4 producer warps", 3)):
                     int4_gluon.CLUSTER_SUM = flag
                     t.setdefault(name, []).append(
                         B.time_calls([lambda i=i: G.int4_mm(xs[i], *ops[i], 128) for i in range(copies)]))
                     t.setdefault(name + " alone", []).append(
                         B.time_calls([lambda i=i: B.int4_mm_alone(xs[i], *ops[i], 128) for i in range(copies)]))
-                int4_gluon.CLUSTER_SUM = False
+                int4_gluon.CLUSTER_SUM = 0
                 if tg:
                     t.setdefault("torch int4", []).append(
                         B.time_calls([lambda i=i: B.tinygemm_mm(xs[i], *tg[i], 128) for i in range(copies)]))
