@@ -81,7 +81,6 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
-CLUSTER_SUM = 0  # temporary A/B flag: the split-K sum through a cluster's distributed shared memory
 
 
 @gluon.jit
@@ -116,58 +115,6 @@ def _gdc_launch():
     grid has said so or exited); they wait for this grid's completion before their first dependent access."""
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                               is_pure=False, pack=1)
-
-
-@gluon.jit
-def _cluster_sync():
-    """barrier.cluster arrive (release) and wait (acquire): every thread of every CTA of the cluster. Only inside
-    the partitions: every warp runs one (the producer partition is 4 warps, so there are no padding warps idling in
-    the compiler's switch loop, which would never arrive)."""
-    gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned; "
-                              "// dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _producer_cluster(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
-                      pdl):
-    _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl)
-    _cluster_sync()  # the partials are in shared memory
-    _cluster_sync()  # rank 0 has read them
-
-
-@gluon.jit
-def _producer_x_cluster(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem,
-                        staging, n0, g0, n_g, pdl):
-    _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem, staging, n0,
-                g0, n_g, pdl)
-    _cluster_sync()
-    _cluster_sync()
-
-
-@gluon.jit
-def _cluster_sum(acc, red_off, rank, SPLIT_K: gl.constexpr):
-    """The split-K sum through distributed shared memory, in slice order as the workspace path sums: every CTA but
-    rank 0 puts its partial in its own shared memory (a private region past Triton's allocation, red_off), the
-    cluster syncs, rank 0 adds the others' partials, the cluster syncs again so that none exits before rank 0 has
-    read it. -> the sum on rank 0 (others: their own partial)."""
-    BLOCK_N: gl.constexpr = acc.shape[0]
-    BLOCK_M: gl.constexpr = acc.shape[1]
-    offs = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc.type.layout))[:, None] * BLOCK_M
-            + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc.type.layout))[None, :])
-    addr = gl.inline_asm_elementwise("mov.u32 $0, global_smem; // $1", "=r,r", [offs], dtype=gl.int32, is_pure=True,
-                                     pack=1) + red_off + offs * 4
-    total = acc
-    if rank != 0:
-        gl.inline_asm_elementwise("st.shared.f32 [$1], $2; // dummy $0", "=r,r,f", [addr, acc], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    _cluster_sync()
-    if rank == 0:
-        for r in gl.static_range(1, SPLIT_K):
-            total += gl.inline_asm_elementwise(
-                "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }", "=f,r,r",
-                [addr, offs * 0 + r], dtype=gl.float32, is_pure=False, pack=1)
-    _cluster_sync()
-    return total
 
 
 @gluon.jit
@@ -214,10 +161,9 @@ def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_
 
 
 @constexpr_function
-def _x_words(W, warps):
-    """The producer's warps over [rows, W] words of x (bf16 pairs), 16 bytes a thread: the cp.async and the staging
-    reads."""
-    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // W, W // 4], warps_per_cta=[warps, 1],
+def _x_words(W):
+    """One warp over [rows, W] words of x (bf16 pairs), 16 bytes a thread: the cp.async and the staging reads."""
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // W, W // 4], warps_per_cta=[1, 1],
                             order=[1, 0])
 
 
@@ -226,7 +172,7 @@ def _copy_x(xw_ptr, stride_xw, M, g, ok, stage):
     """cp.async of x[:, group g] (bf16 pairs, natural order) into a staging buffer; rows >= M zero-filled."""
     BLOCK_M: gl.constexpr = stage.type.shape[0]
     W: gl.constexpr = stage.type.shape[1]
-    layout: gl.constexpr = _x_words(W, gl.num_warps())
+    layout: gl.constexpr = _x_words(W)
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, W, layout=gl.SliceLayout(0, layout))
     async_copy.async_copy_global_to_shared(stage, xw_ptr + rows[:, None] * stride_xw + g * W + cols[None, :],
@@ -264,7 +210,7 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
     ahead, then permuted from there into the stage with its sums (`_stage_x`)."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     DEPTH: gl.constexpr = staging.type.shape[0] - 1
-    layout: gl.constexpr = _x_words(staging.type.shape[2], gl.num_warps())
+    layout: gl.constexpr = _x_words(staging.type.shape[2])
     nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
     _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
     for g in gl.static_range(DEPTH):
@@ -284,8 +230,7 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
 
 @gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CLUSTER: gl.constexpr = False, red_off=0, rank=0,
-              SPLIT_K: gl.constexpr = 1):
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
     """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
     W: gl.constexpr = GROUP // 8
     # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
@@ -311,17 +256,14 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
         # the product is complete, so every warp has issued it and every warp's reads of the stage are done
         mbarrier.arrive(empty.index(st), count=1)
         acc = acc + s[:, None] * (part - zx)
-    if CLUSTER:
-        acc = _cluster_sum(acc, red_off, rank, SPLIT_K)
     return (acc,)  # (a partition returns a tuple)
 
 
 @gluon.jit
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
-                    red_off,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, CLUSTER: gl.constexpr = 0):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None). TRIGGER: the next
     kernel, if it is a programmatic dependent, may be scheduled as soon as every program has started."""
@@ -329,12 +271,8 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     if TRIGGER:
         _gdc_launch()
-    if CLUSTER == 1 or CLUSTER == 2:  # SPLIT_K consecutive CTAs, one cluster, share a column tile
-        pid_n = gl.program_id(0) // SPLIT_K
-        pid_k = gl.program_id(0) % SPLIT_K
-    else:
-        pid_n = gl.program_id(0)
-        pid_k = gl.program_id(1)
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
     n0 = pid_n * BLOCK_N
     n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
     g0 = pid_k * n_g
@@ -348,24 +286,20 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 else 2)  # (+ the producer's store of x)
         mbarrier.init(empty.index(i), count=1)
-    PRODUCER_WARPS: gl.constexpr = 4 if CLUSTER > 0 else 1  # (no padding warps: every warp arrives on the cluster barrier)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M, CLUSTER == 1,
-                          red_off, pid_k, SPLIT_K)),
-            (_producer_cluster if CLUSTER == 1 else _producer,
-             (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, PDL)),
-        ], [PRODUCER_WARPS], [REGS])
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
+                         n_g, PDL)),
+        ], [1], [REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, BLOCK_M, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M, CLUSTER == 1,
-                          red_off, pid_k, SPLIT_K)),
-            (_producer_x_cluster if CLUSTER == 1 else _producer_x,
-             (w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem, staging, n0, g0,
-              n_g, PDL)),
-        ], [PRODUCER_WARPS], [REGS])
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+            (_producer_x, (w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem,
+                           staging, n0, g0, n_g, PDL)),
+        ], [1], [REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -377,9 +311,6 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     if SPLIT_K == 1:
         gl.store(y_ptrs, acc.to(gl.bfloat16), mask=out_ok)
-    elif CLUSTER == 1:
-        if pid_k == 0:
-            gl.store(y_ptrs, acc.to(gl.bfloat16), mask=out_ok)
     else:
         gl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_ok)
         gl.thread_barrier()  # every thread's partial is issued before the (release) arrival below
@@ -476,18 +407,10 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
         xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH.value], words)
         xw = None
-    cluster = CLUSTER_SUM if 1 < split <= 8 else 0  # 1: DSMEM sum; 2: cluster launch, workspace; 3: 4 producer warps
-    args = (w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device), M, N, K, x.stride(0) // 2,
-            y.stride(0))
-    kw = dict(GROUP=GROUP, BLOCK_N=BLOCK_N, BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
-              X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, CLUSTER=cluster, num_warps=4, maxnreg=regs,
-              launch_pdl=follows if x_depth else pdl)
-    grid = (N // BLOCK_N, 1) if cluster in (1, 2) else (N // BLOCK_N, split)
-    red_off = 128
-    if cluster in (1, 2):  # a cluster of `split` CTAs per column tile; the private region past Triton's shared memory
-        k = _int4_mm_kernel.warmup(*args, red_off, grid=grid, **kw)
-        red_off = -(-k.metadata.shared // 128) * 128
-        k.packed_metadata = (k.metadata.num_warps, split, red_off + BLOCK_N * block_m * 4)
-    _int4_mm_kernel[grid](*args, red_off, **kw)
+    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
+                                           M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
+                                           BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
+                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, num_warps=4,
+                                           maxnreg=regs, launch_pdl=follows if x_depth else pdl)
     note_launch(x.device, trigger)
     return y
