@@ -81,6 +81,8 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
+PREPARED: dict = {}  # temporary diagnostic (bench/diag_prep.py)
+KEEP_PREP = False
 
 
 @gluon.jit
@@ -399,11 +401,15 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     if x_depth:
         x_desc = xs_desc = None
         xw = x.view(torch.int32)
+    elif x.data_ptr() in PREPARED:  # temporary diagnostic: x already in the fragment order, no prep kernel
+        xp, xs = PREPARED[x.data_ptr()]
     else:
         xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
         xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
         int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
                                                    GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4, launch_pdl=follows)
+        if KEEP_PREP:
+            PREPARED[x.data_ptr()] = (xp, xs)
         x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
         xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH.value], words)
         xw = None
