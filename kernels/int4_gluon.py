@@ -401,13 +401,15 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     if x_depth:
         x_desc = xs_desc = None
         xw = x.view(torch.int32)
-    elif x.data_ptr() in PREPARED:  # temporary diagnostic: x already in the fragment order, no prep kernel
-        xp, xs = PREPARED[x.data_ptr()]
     else:
-        xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
-        xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
-        int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
-                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4, launch_pdl=follows)
+        if x.data_ptr() in PREPARED:  # temporary diagnostic: x already in the fragment order, no prep kernel
+            xp, xs = PREPARED[x.data_ptr()]
+        else:
+            xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
+            xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
+            int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
+                                                       GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4,
+                                                       launch_pdl=follows)
         if KEEP_PREP:
             PREPARED[x.data_ptr()] = (xp, xs)
         x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
