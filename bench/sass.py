@@ -66,20 +66,20 @@ def int4(block_n, block_k, group, split, warps, stages):
     return compile_sm90(_int4_mm_kernel.get(), sig, const, warps, stages, aligned)
 
 
-def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, x_cons=0):
+def gluon(block_m, split, stages, regs, x_depth=0, trigger=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels import int4_gluon as g
     w_l, x_l, words = g._shared_layouts(block_m)
     desc = lambda dtype, shape, layout: f"tensordesc<{dtype}{list(shape)},{layout!r}>"
     sig = dict(w_desc=desc("i32", [g.BLOCK_N, g.GROUP // 8], w_l),
-               x_desc="constexpr" if x_depth or x_cons else desc("bf16", [block_m, g.GROUP], x_l),
+               x_desc="constexpr" if x_depth else desc("bf16", [block_m, g.GROUP], x_l),
                sz_desc=desc("i32", [1, g.BLOCK_N], words),
-               xs_desc="constexpr" if x_depth or x_cons else desc("fp32", [1, g.XS_WIDTH.value], words),
-               xw_ptr="*i32" if x_depth or x_cons else "constexpr", y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
+               xs_desc="constexpr" if x_depth else desc("fp32", [1, g.XS_WIDTH.value], words),
+               xw_ptr="*i32" if x_depth else "constexpr", y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
                N="i32", K="i32", stride_xw="i32", stride_ym="i32")
     const = dict(GROUP=g.GROUP, BLOCK_N=g.BLOCK_N, BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=True,
-                 X_LAYOUT=x_l, X_DEPTH=x_depth, TRIGGER=bool(trigger), X_CONS=x_cons)
+                 X_LAYOUT=x_l, X_DEPTH=x_depth, TRIGGER=bool(trigger))
     const.update({k: None for k in ("x_desc", "xs_desc", "xw_ptr") if sig[k] == "constexpr"})
     sig.update({k: "constexpr" for k in const})
     names = list(sig)

@@ -81,9 +81,6 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
-CONSUMER_X = 0  # temporary A/B flag: > 0 = x staged by the consumer warpgroup this many groups ahead (no prep kernel)
-PREPARED: dict = {}  # temporary diagnostic (bench/diag_prep.py)
-KEEP_PREP = False
 
 
 @gluon.jit
@@ -163,24 +160,10 @@ def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_
         _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
 
 
-@gluon.jit
-def _producer_w(w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g):
-    """One warp, x staged by the consumers: only the weights and scale/zero, which depend on no earlier kernel
-    (no programmatic-dependency wait)."""
-    STAGES: gl.constexpr = w_smem.type.shape[0]
-    nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
-    first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, False)
-    for g in range(first, n_g):
-        st = g % STAGES
-        mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
-        _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
-
-
 @constexpr_function
-def _x_words(W, warps):
-    """The partition's warps over [rows, W] words of x (bf16 pairs), 16 bytes a thread: the cp.async and the
-    staging reads."""
-    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // W, W // 4], warps_per_cta=[warps, 1],
+def _x_words(W):
+    """One warp over [rows, W] words of x (bf16 pairs), 16 bytes a thread: the cp.async and the staging reads."""
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // W, W // 4], warps_per_cta=[1, 1],
                             order=[1, 0])
 
 
@@ -189,7 +172,7 @@ def _copy_x(xw_ptr, stride_xw, M, g, ok, stage):
     """cp.async of x[:, group g] (bf16 pairs, natural order) into a staging buffer; rows >= M zero-filled."""
     BLOCK_M: gl.constexpr = stage.type.shape[0]
     W: gl.constexpr = stage.type.shape[1]
-    layout: gl.constexpr = _x_words(W, gl.num_warps())
+    layout: gl.constexpr = _x_words(W)
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, W, layout=gl.SliceLayout(0, layout))
     async_copy.async_copy_global_to_shared(stage, xw_ptr + rows[:, None] * stride_xw + g * W + cols[None, :],
@@ -217,8 +200,7 @@ def _stage_x(xw, bar, x_s, xs_s):
                                                element_bitwidth=32, rank=2)
     x_s._reinterpret(gl.int32, [BLOCK_M, GROUP // 2], words).store(gl.reshape(xp, [BLOCK_M, GROUP // 2]))
     fence_async_shared()  # the generic-proxy writes above before the tensor core's (async-proxy) reads
-    if bar is not None:
-        mbarrier.arrive(bar, count=1)
+    mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
@@ -228,7 +210,7 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
     ahead, then permuted from there into the stage with its sums (`_stage_x`)."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     DEPTH: gl.constexpr = staging.type.shape[0] - 1
-    layout: gl.constexpr = _x_words(staging.type.shape[2], gl.num_warps())
+    layout: gl.constexpr = _x_words(staging.type.shape[2])
     nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
     _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
     for g in gl.static_range(DEPTH):
@@ -248,8 +230,7 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
 
 @gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, X_CONS: gl.constexpr = 0, xw_ptr=None, stride_xw=0, M=0,
-              g0=0, staging=None, PDL: gl.constexpr = False):
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
     """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
     W: gl.constexpr = GROUP // 8
     # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
@@ -262,21 +243,8 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    if X_CONS > 0:  # x staged here: cp.async X_CONS groups ahead, permuted into the stage just before its use
-        xl: gl.constexpr = _x_words(GROUP // 2, gl.num_warps())
-        if PDL:
-            _gdc_wait()
-        for g in gl.static_range(X_CONS):
-            _copy_x(xw_ptr, stride_xw, M, g0 + g, g < n_g, staging.index(g))
     for g in range(n_g):
         st = g % STAGES
-        if X_CONS > 0:
-            _copy_x(xw_ptr, stride_xw, M, g0 + g + X_CONS, g + X_CONS < n_g,
-                    staging.index((g + X_CONS) % (X_CONS + 1)))
-            async_copy.wait_group(X_CONS)
-            gl.thread_barrier()  # every thread's copy of group g has landed
-            _stage_x(staging.index(g % (X_CONS + 1)).load(xl), None, x_smem.index(st), xs_smem.index(st))
-            gl.thread_barrier()  # the stage's x is complete, and group g's staging slot is read before its refill
         mbarrier.wait(full.index(st), (g // STAGES) & 1)
         w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
         sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
@@ -295,7 +263,7 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, X_CONS: gl.constexpr = 0):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None). TRIGGER: the next
     kernel, if it is a programmatic dependent, may be scheduled as soon as every program has started."""
@@ -316,17 +284,9 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=2 if X_DEPTH > 0 else 1)  # (+ the producer's store of x)
+        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 else 2)  # (+ the producer's store of x)
         mbarrier.init(empty.index(i), count=1)
-    if X_CONS > 0:
-        staging = gl.allocate_shared_memory(gl.int32, [X_CONS + 1, BLOCK_M, GROUP // 2],
-                                            gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
-        acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M, X_CONS,
-                         xw_ptr, stride_xw, M, g0, staging, PDL)),
-            (_producer_w, (w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g)),
-        ], [1], [REGS])
-    elif X_DEPTH == 0:
+    if X_DEPTH == 0:
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
@@ -427,8 +387,6 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                          f"N={N} (a multiple of {BLOCK_N}) do not fit")
     block_m = 8 if M <= 8 else 16
     x_depth = rest[0] if rest and block_m == 8 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else 0
-    x_cons = CONSUMER_X if block_m == 8 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else 0
-    x_depth = 0 if x_cons else x_depth
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
@@ -438,27 +396,21 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     w_layout, x_layout, words = _shared_layouts(block_m)
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
-    if x_depth or x_cons:
+    if x_depth:
         x_desc = xs_desc = None
         xw = x.view(torch.int32)
     else:
-        if x.data_ptr() in PREPARED:  # temporary diagnostic: x already in the fragment order, no prep kernel
-            xp, xs = PREPARED[x.data_ptr()]
-        else:
-            xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
-            xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
-            int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
-                                                       GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4,
-                                                       launch_pdl=follows)
-        if KEEP_PREP:
-            PREPARED[x.data_ptr()] = (xp, xs)
+        xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
+        xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
+        int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
+                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4, launch_pdl=follows)
         x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
         xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH.value], words)
         xw = None
     _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
-                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, X_CONS=x_cons,
-                                           num_warps=4, maxnreg=regs, launch_pdl=follows if x_depth or x_cons else pdl)
+                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, num_warps=4,
+                                           maxnreg=regs, launch_pdl=follows if x_depth else pdl)
     note_launch(x.device, trigger)
     return y
