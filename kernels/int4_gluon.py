@@ -81,6 +81,8 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
+ROWS_X = False  # temporary A/B flag: the one-launch staging permutes only the next power of 2 >= M rows of x
+ONE_LAUNCH = False  # temporary A/B flag: every shape in one launch (x_depth 2) at M <= 8
 
 
 @gluon.jit
@@ -189,16 +191,20 @@ def _stage_x(xw, bar, x_s, xs_s):
     result, at (v * 4 + s) * 4 + t."""
     BLOCK_M: gl.constexpr = x_s.type.shape[0]
     GROUP: gl.constexpr = x_s.type.shape[1]
+    ROWS: gl.constexpr = xw.shape[0]
     lo_f = (xw << 16).to(gl.float32, bitcast=True)
     hi_f = (xw & -65536).to(gl.float32, bitcast=True)
-    xs_s.reshape([xs_s.type.shape[1]]).slice(0, BLOCK_M).store(gl.sum(lo_f + hi_f, axis=1))
-    a, b = gl.split(gl.permute(gl.reshape(xw, [BLOCK_M, 4, GROUP // 32, 2, 2]), [0, 1, 2, 4, 3]))  # half 0, 1
+    xs_s.reshape([xs_s.type.shape[1]]).slice(0, ROWS).store(gl.sum(lo_f + hi_f, axis=1))
+    a, b = gl.split(gl.permute(gl.reshape(xw, [ROWS, 4, GROUP // 32, 2, 2]), [0, 1, 2, 4, 3]))  # half 0, 1
     even = (a & 0xFFFF) | (b << 16)  # s = 2 w: (half 0, half 1)
     odd = ((a >> 16) & 0xFFFF) | (b & -65536)  # s = 2 w + 1
     xp = gl.permute(gl.join(even, odd), [0, 2, 3, 4, 1])  # [M, t, v, w, s % 2] -> [M, v, w, s % 2, t]
     words: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=x_s.type.layout.swizzle_byte_width,
                                                element_bitwidth=32, rank=2)
-    x_s._reinterpret(gl.int32, [BLOCK_M, GROUP // 2], words).store(gl.reshape(xp, [BLOCK_M, GROUP // 2]))
+    xp = gl.reshape(xp, [ROWS, GROUP // 2])
+    for i in gl.static_range(BLOCK_M.bit_length() - ROWS.bit_length()):  # rows >= ROWS repeat the first ROWS
+        xp = gl.reshape(gl.permute(gl.join(xp, xp), [2, 0, 1]), [xp.shape[0] * 2, GROUP // 2])  # (not stored)
+    x_s._reinterpret(gl.int32, [BLOCK_M, GROUP // 2], words).store(xp)
     fence_async_shared()  # the generic-proxy writes above before the tensor core's (async-proxy) reads
     mbarrier.arrive(bar, count=1)
 
@@ -263,7 +269,7 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr = 8):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None). TRIGGER: the next
     kernel, if it is a programmatic dependent, may be scheduled as soon as every program has started."""
@@ -293,7 +299,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
                          n_g, PDL)),
         ], [1], [REGS])
     else:
-        staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, BLOCK_M, GROUP // 2],
+        staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, ROWS, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
@@ -386,6 +392,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         raise ValueError(f"int4_gluon: M={M} (<= 16), K={K} (split {split} into whole groups of {GROUP}) and "
                          f"N={N} (a multiple of {BLOCK_N}) do not fit")
     block_m = 8 if M <= 8 else 16
+    rest = rest or ([2] if ONE_LAUNCH else [])
     x_depth = rest[0] if rest and block_m == 8 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else 0
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -410,7 +417,8 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
-                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger, num_warps=4,
+                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger,
+                                           ROWS=min(block_m, 1 << (M - 1).bit_length()) if ROWS_X else block_m, num_warps=4,
                                            maxnreg=regs, launch_pdl=follows if x_depth else pdl)
     note_launch(x.device, trigger)
     return y
