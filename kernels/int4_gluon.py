@@ -81,8 +81,6 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
-ROWS_X = False  # temporary A/B flag: the one-launch staging permutes only the next power of 2 >= M rows of x
-ONE_LAUNCH = False  # temporary A/B flag: every shape in one launch (x_depth 2) at M <= 8
 
 
 @gluon.jit
@@ -392,7 +390,6 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         raise ValueError(f"int4_gluon: M={M} (<= 16), K={K} (split {split} into whole groups of {GROUP}) and "
                          f"N={N} (a multiple of {BLOCK_N}) do not fit")
     block_m = 8 if M <= 8 else 16
-    rest = rest or ([2] if ONE_LAUNCH else [])
     x_depth = rest[0] if rest and block_m == 8 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else 0
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -418,7 +415,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger,
-                                           ROWS=min(block_m, 1 << (M - 1).bit_length()) if ROWS_X else block_m, num_warps=4,
-                                           maxnreg=regs, launch_pdl=follows if x_depth else pdl)
+                                           ROWS=min(block_m, 1 << (M - 1).bit_length()) if x_depth else block_m,
+                                           num_warps=4, maxnreg=regs, launch_pdl=follows if x_depth else pdl)
     note_launch(x.device, trigger)
     return y
