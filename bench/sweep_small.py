@@ -13,8 +13,8 @@ from bench import kernels as B
 from kernels import int4_gemm as G
 from kernels import int4_gluon
 
-GRID = {(4096, 4096): [(sp, st, 64, xd) for sp in (4, 8, 16) for st in (2, 3, 4) for xd in (1, 2, 3)],
-        (14336, 4096): [(sp, st, 64, xd) for sp in (7, 8, 14, 16) for st in (2, 4) for xd in (1, 2)]}
+GRID = {(4096, 4096): [(sp, st, 64, xd) for sp in (8, 16) for st in (2, 3) for xd in (1, 2)],
+        (14336, 4096): [(sp, st, 64, xd) for sp in (8, 14, 16) for st in (2, 4) for xd in (1, 2)]}
 
 
 def main():
