@@ -33,7 +33,10 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
 - One launch on the small shapes (CONFIGS entries with an x_depth, item 21): the producer stages x itself
   (cp.async of x in natural order x_depth groups ahead into a staging ring, then permuted in registers into
   the stage with its sums: `_producer_x`), so no prep kernel runs. It saves about a launch where programs
-  have few groups and loses on long loops, where the one producer warp's per-group work sets the pace.
+  have few groups and loses on long loops, where the one producer warp's per-group work sets the pace. Only
+  the first ROWS = next power of 2 >= M rows are copied and permuted: the stage's other rows repeat them, and
+  their products land in output rows >= M, which are never stored (item 27: 0-7% faster at M < 8, the same
+  bits).
 Each group's product is waited for before the next is issued: keeping it in flight (two alternating
 accumulators, `warpgroup_mma_wait(1)`) compiles, but ptxas then serialises every wgmma (C7514).
 
@@ -169,11 +172,11 @@ def _x_words(W):
 
 @gluon.jit
 def _copy_x(xw_ptr, stride_xw, M, g, ok, stage):
-    """cp.async of x[:, group g] (bf16 pairs, natural order) into a staging buffer; rows >= M zero-filled."""
-    BLOCK_M: gl.constexpr = stage.type.shape[0]
+    """cp.async of x[:ROWS, group g] (bf16 pairs, natural order) into a staging buffer; rows >= M zero-filled."""
+    ROWS: gl.constexpr = stage.type.shape[0]
     W: gl.constexpr = stage.type.shape[1]
     layout: gl.constexpr = _x_words(W)
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, W, layout=gl.SliceLayout(0, layout))
     async_copy.async_copy_global_to_shared(stage, xw_ptr + rows[:, None] * stride_xw + g * W + cols[None, :],
                                            mask=((rows < M)[:, None] & (cols >= 0)[None, :]) & ok)
@@ -183,7 +186,8 @@ def _copy_x(xw_ptr, stride_xw, M, g, ok, stage):
 @gluon.jit
 def _stage_x(xw, bar, x_s, xs_s):
     """What the prep kernel writes, for one group and this program: x in the fragment's k order into the stage
-    and its sums X, then the stage's second arrival (the first is the weights' expect). Natural k =
+    and its sums X, for the ROWS rows of xw (the stage's other rows repeat them: only output rows < M are
+    stored), then the stage's second arrival (the first is the weights' expect). Natural k =
     32 t + 8 v + 4 half + s goes to ((v * 4 + s) * 4 + t) * 2 + half: in words (bf16 pairs), natural word
     16 t + 4 v + 2 half + s // 2 holds s and s + 1, and the pair (half 0, half 1) of each s is one word of the
     result, at (v * 4 + s) * 4 + t."""
@@ -201,7 +205,7 @@ def _stage_x(xw, bar, x_s, xs_s):
                                                element_bitwidth=32, rank=2)
     xp = gl.reshape(xp, [ROWS, GROUP // 2])
     for i in gl.static_range(BLOCK_M.bit_length() - ROWS.bit_length()):  # rows >= ROWS repeat the first ROWS
-        xp = gl.reshape(gl.permute(gl.join(xp, xp), [2, 0, 1]), [xp.shape[0] * 2, GROUP // 2])  # (not stored)
+        xp = gl.reshape(gl.permute(gl.join(xp, xp), [2, 0, 1]), [xp.shape[0] * 2, GROUP // 2])
     x_s._reinterpret(gl.int32, [BLOCK_M, GROUP // 2], words).store(xp)
     fence_async_shared()  # the generic-proxy writes above before the tensor core's (async-proxy) reads
     mbarrier.arrive(bar, count=1)
@@ -267,10 +271,11 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr = 8):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
-    by the producer's cp.async, X_DEPTH groups ahead, no prep kernel (x_desc and xs_desc None). TRIGGER: the next
-    kernel, if it is a programmatic dependent, may be scheduled as soon as every program has started."""
+    by the producer's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
+    None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
+    has started."""
     W: gl.constexpr = GROUP // 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     if TRIGGER:
