@@ -237,6 +237,59 @@ def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_sm
 
 
 @gluon.jit
+def _producer_w(w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g, pdl):
+    """One warp, stager mode: the weights and scale/zero only; x is staged by `_stager` warps."""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
+    nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
+    first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, False)
+    for g in range(first, n_g):
+        st = g % STAGES
+        mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
+        _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
+
+
+@gluon.jit
+def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl, J: gl.constexpr):
+    """One of NS warps: x of groups J, J + NS, ... by cp.async DEPTH of its groups ahead, permuted into the stage
+    once the consumers released it."""
+    STAGES: gl.constexpr = x_smem.type.shape[0]
+    NS: gl.constexpr = tag.type.shape[0]
+    DEPTH: gl.constexpr = staging.type.shape[0] // NS - 1
+    layout: gl.constexpr = _x_words(staging.type.shape[2])
+    if pdl:
+        _gdc_wait()
+    for i in gl.static_range(DEPTH):
+        _copy_x(xw_ptr, stride_xw, M, g0 + J + i * NS, J + i * NS < n_g, staging.index(J * (DEPTH + 1) + i))
+    i = 0
+    for g in range(J, n_g, NS):
+        st = g % STAGES
+        _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH * NS, g + DEPTH * NS < n_g, staging.index(J * (DEPTH + 1) + (i + DEPTH) % (DEPTH + 1)))
+        async_copy.wait_group(DEPTH)
+        gl.thread_barrier()
+        xw = staging.index(J * (DEPTH + 1) + i % (DEPTH + 1)).load(layout)
+        gl.thread_barrier()
+        if g >= STAGES:
+            mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
+        _stage_x(xw, full.index(st), x_smem.index(st), xs_smem.index(st))
+        i += 1
+
+
+@gluon.jit
+def _stager0(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl):
+    _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl, 0)
+
+
+@gluon.jit
+def _stager1(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl):
+    _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl, 1)
+
+
+@gluon.jit
+def _stager2(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl):
+    _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl, 2)
+
+
+@gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
     """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
@@ -271,7 +324,7 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr, STAGERS: gl.constexpr = 0):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the producer's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
     None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
@@ -301,6 +354,21 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
                          n_g, PDL)),
         ], [1], [REGS])
+    elif STAGERS:
+        staging = gl.allocate_shared_memory(gl.int32, [STAGERS * (X_DEPTH + 1), ROWS, GROUP // 2],
+                                            gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
+        tag = gl.allocate_shared_memory(gl.int64, [STAGERS, 1], mbarrier.MBarrierLayout())
+        sargs = (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, PDL)
+        pargs = (w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g, PDL)
+        if STAGERS == 1:
+            acc, = gl.warp_specialize([(_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)), (_producer_w, pargs), (_stager0, sargs)], [1, 1],
+                                      [REGS, REGS])
+        elif STAGERS == 2:
+            acc, = gl.warp_specialize([(_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)), (_producer_w, pargs), (_stager0, sargs), (_stager1, sargs)],
+                                      [1, 1, 1], [REGS, REGS, REGS])
+        else:
+            acc, = gl.warp_specialize([(_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)), (_producer_w, pargs), (_stager0, sargs), (_stager1, sargs),
+                                       (_stager2, sargs)], [1, 1, 1, 1], [REGS, REGS, REGS, REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, ROWS, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
@@ -396,6 +464,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                          f"N={N} (a multiple of {BLOCK_N}) do not fit")
     block_m = 8 if M <= 8 else 16
     x_depth = rest[0] if rest and block_m == 8 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else 0
+    stagers = rest[1] if len(rest) > 1 and x_depth else 0
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
@@ -421,6 +490,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger,
                                            ROWS=min(block_m, 1 << (M - 1).bit_length()) if x_depth else block_m,
+                                           STAGERS=stagers,
                                            num_warps=4, maxnreg=regs, launch_pdl=follows if x_depth else pdl)
     note_launch(x.device, trigger)
     return y
