@@ -465,6 +465,8 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     block_m = 8 if M <= 8 else 16
     x_depth = rest[0] if rest and block_m == 8 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else 0
     stagers = rest[1] if len(rest) > 1 and x_depth else 0
+    if stagers and stages % stagers:
+        raise ValueError(f"stagers={stagers} must divide stages={stages}")
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
