@@ -10,8 +10,9 @@ Sections (each writes its results into the JSON as soon as it finishes, so a cut
 - tune (--tune): a few launch configurations per GEMM shape and for SDPA, timed at M = 1 and 8; the
   winners are installed in kernels.int4_gemm.CONFIGS / kernels.sdpa_midm.CONFIG for the rest of the run
   and written to the JSON (copy them into the code); on Hopper also every split for kernels/int4_gluon.py,
-  with x from the prep kernel (4 or 6 stages) and staged in the kernel (one launch, 2 or 4 stages), whose
-  CONFIGS get the shapes where it beats the Triton kernel by more than 3% (None for the others);
+  at 2, 4 and 6 stages with x from the prep kernel and staged in the kernel (one launch), timed at M = 1, 2, 4
+  and 8, one launch kept up to the M before which it never lost (one_launch_m); its CONFIGS get the shapes where
+  it beats the Triton kernel by more than 3% (None for the others);
 - gemm: K x N in the issue's shapes, M = 1..8: ours (group 128), torch `_weight_int4pack_mm` (group 128),
   bf16 cuBLAS (F.linear), and the floor = (packed weights + scales/zeros + x + y) bytes / copy bandwidth;
   ours also `alone`: each call as if a kernel not ours ran before it (no start during the previous call's
@@ -436,6 +437,7 @@ def read_ceiling(nbytes: int, copies: int) -> dict:
     return ceilings
 
 
+TUNE_GLUON_MS = (1, 2, 4, 8)  # the Gluon path's configs are timed at these M (the Triton kernel's at 1 and 8)
 # (BLOCK_N, BLOCK_K, warps, stages[, register cap]); SPLIT_K in {1, 2, 4, 8} is added per shape
 GEMM_CANDIDATES = [
     (64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4), (64, 512, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3),
@@ -449,7 +451,7 @@ def section_tune():
     for K, N in GEMM_SHAPES + MODEL_SHAPES:
         copies = copies_for(N * K / 2)
         ops = gemm_operands(K, N, 128, copies)
-        xs = {M: [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)] for M in (1, 8)}
+        xs = {M: [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)] for M in TUNE_GLUON_MS}
         best, rows = None, []
         t_shape = time.time()
         for bn, bk, warps, stages, *max_regs in GEMM_CANDIDATES:
@@ -487,11 +489,18 @@ def section_tune():
         if int4_gluon.usable(xs[1][0]):  # the Gluon path: every split, x from the prep kernel or staged in it
             groups, rows_gl = K // int4_gluon.GROUP, {}
             for split in [d for d in range(1, int4_gluon.MAX_SPLIT + 1) if groups % d == 0 and groups // d >= 2]:
-                # stages: 4 or 6 with the prep kernel, 2 or 4 in one launch (bench/NOTES.md items 22, 23)
-                for cfg in ((split, 4, 64), (split, 6, 64), (split, 2, 64, 2), (split, 4, 64, 2)):
+                for cfg in ((split, st, 64) + one for st in (2, 4, 6) for one in ((), (8,))):
                     rows_gl[cfg] = [time_calls([lambda i=i, M=M, c=cfg: int4_gluon.launch(
-                        xs[M][i], *ops[i], c) for i in range(copies)], reps=10) for M in (1, 8)]
-            cfg = min(rows_gl, key=lambda c: max(rows_gl[c]))
+                        xs[M][i], *ops[i], c) for i in range(copies)], reps=10) for M in TUNE_GLUON_MS]
+            # each (split, stages) in one launch up to the largest M before which it never lost to the prep kernel
+            tried = {}
+            for cfg in [c for c in rows_gl if len(c) == 3]:
+                prep, one = rows_gl[cfg], rows_gl[cfg + (8,)]
+                wins = next((i for i, (a, b) in enumerate(zip(one, prep)) if a >= b), len(prep))
+                times = one[:wins] + prep[wins:]
+                tried[cfg + ((TUNE_GLUON_MS[wins - 1],) if wins else ())] = times
+            rows_gl.update(tried)
+            cfg = min(tried, key=lambda c: max(tried[c]))
             # the shape takes this path where it beats the Triton kernel's best by more than 3%
             gluon_table[(K, N)] = cfg if max(rows_gl[cfg]) < 0.97 * best[0] else None
             detail[f"{K}x{N}"]["gluon"] = dict(rows={str(c): v for c, v in rows_gl.items()}, best=cfg,

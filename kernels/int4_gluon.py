@@ -30,13 +30,15 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
   after a launch of ours that triggers (`kernels._jit`): after one that does not, that cost 0.7-2.6 us.
 - The product is BLOCK_M = 8 wide for M <= 8 (wgmma n = 8; Triton's dot would fall back to mma.sync), with
   x padded to BLOCK_M rows by the prep kernel so that no TMA box reaches past the tensor.
-- One launch on the small shapes (CONFIGS entries with an x_depth, item 21): the producer stages x itself
-  (cp.async of x in natural order x_depth groups ahead into a staging ring, then permuted in registers into
-  the stage with its sums: `_producer_x`), so no prep kernel runs. It saves about a launch where programs
-  have few groups and loses on long loops, where the one producer warp's per-group work sets the pace. Only
-  the first ROWS = next power of 2 >= M rows are copied and permuted: the stage's other rows repeat them, and
-  their products land in output rows >= M, which are never stored (item 27: 0-7% faster at M < 8, the same
-  bits).
+- One launch up to a per-shape M (the 4th CONFIGS entry, `one_launch_m`; items 21 and 28): a stager warp stages
+  x itself (cp.async of x in natural order X_DEPTH groups ahead into a staging ring, then permuted in registers
+  into the stage with its sums: `_stager`) beside the producer warp, which then issues only the weights'
+  copies (`_producer_weights`), so no prep kernel runs. Staged by the producer warp itself (items 21-27), x
+  made that warp's per-group chain set the pace on long loops; in a warp of its own it is 2-9% faster than
+  the prep kernel at M <= 4 on every shape but 8192x28672 (item 28). Above `one_launch_m` the prep kernel
+  wins: at M = 8 the stager's permutation and sums of 8 rows compete with the consumer warps for issue
+  slots. Only the first ROWS = next power of 2 >= M rows are copied and permuted: the stage's other rows
+  repeat them, and their products land in output rows >= M, which are never stored (item 27: the same bits).
 Each group's product is waited for before the next is issued: keeping it in flight (two alternating
 accumulators, `warpgroup_mma_wait(1)`) compiles, but ptxas then serialises every wgmma (C7514).
 
@@ -67,20 +69,21 @@ BLOCK_N = 64
 XS_WIDTH = gl.constexpr(32)  # floats per group in the X buffer (16 used): 128 bytes, the TMA destination alignment
 MAX_SPLIT = 16
 
-# (split, stages, registers[, x_depth]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17, 21, 22
-# and 23; calls 37, 51, 59-61 and 73), for the shapes where this path beat kernels/int4_gemm.py (None: a shape it did
-# not; `bench.kernels --tune` redoes it); x_depth > 0: x staged by the kernel itself, one launch, at M <= 8.
-# Other shapes: `pick`.
+# (split, stages, registers[, one_launch_m]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17, 21-23
+# and 28; calls 37, 51, 59-61, 73 and 104), for the shapes where this path beat kernels/int4_gemm.py (None: a shape
+# it did not; `bench.kernels --tune` redoes it); one_launch_m: x staged by the kernel itself (one launch) at
+# M <= one_launch_m (<= 8), by the prep kernel above. Other shapes: `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {
-    (4096, 14336): (2, 4, 64),  # split 2: enough programs per SM for the overlap mode
-    (14336, 4096): (8, 4, 64, 2),
-    (5376, 21504): (1, 4, 64),
-    (21504, 5376): (6, 6, 64),
+    (4096, 14336): (2, 4, 64, 4),  # split 2: enough programs per SM for the overlap mode
+    (14336, 4096): (8, 4, 64, 8),
+    (5376, 21504): (1, 4, 64, 4),
+    (21504, 5376): (6, 6, 64, 4),
     (8192, 28672): (1, 4, 64),
     (4096, 128256): (1, 4, 64),  # Llama-3-8B lm_head
-    (4096, 28672): (1, 4, 64),   # fused gate|up
-    (4096, 4096): (8, 2, 64, 2), (4096, 1024): (8, 4, 64, 2), (4096, 6144): (4, 2, 64, 2),  # 2 stages: item 23
+    (4096, 28672): (1, 4, 64, 1),   # fused gate|up
+    (4096, 4096): (8, 2, 64, 8), (4096, 1024): (8, 4, 64, 8), (4096, 6144): (4, 2, 64, 8),  # 2 stages: item 23
 }
+X_DEPTH = 2  # groups of x the stager copies ahead (1 and 2 level in calls 101 and 104)
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
@@ -212,33 +215,9 @@ def _stage_x(xw, bar, x_s, xs_s):
 
 
 @gluon.jit
-def _producer_x(w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem, staging,
-                n0, g0, n_g, pdl):
-    """One warp, no prep kernel: the weights as in `_producer`; x by cp.async into a staging ring DEPTH groups
-    ahead, then permuted from there into the stage with its sums (`_stage_x`)."""
-    STAGES: gl.constexpr = w_smem.type.shape[0]
-    DEPTH: gl.constexpr = staging.type.shape[0] - 1
-    layout: gl.constexpr = _x_words(staging.type.shape[2])
-    nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
-    _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
-    for g in gl.static_range(DEPTH):
-        _copy_x(xw_ptr, stride_xw, M, g0 + g, g < n_g, staging.index(g))
-    for g in range(n_g):
-        st = g % STAGES
-        _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH, g + DEPTH < n_g, staging.index((g + DEPTH) % (DEPTH + 1)))
-        if g >= STAGES:
-            mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
-            _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
-        async_copy.wait_group(DEPTH)
-        gl.thread_barrier()  # every lane's copy of group g has landed
-        xw = staging.index(g % (DEPTH + 1)).load(layout)
-        gl.thread_barrier()  # every lane has read it before its buffer is refilled
-        _stage_x(xw, full.index(st), x_smem.index(st), xs_smem.index(st))
-
-
-@gluon.jit
-def _producer_w(w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g, pdl):
-    """One warp, stager mode: the weights and scale/zero only; x is staged by `_stager` warps."""
+def _producer_weights(w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g):
+    """One warp, one launch: each group's weight and scale/zero copies, as in `_producer`; x is `_stager`'s. The
+    weights depend on no earlier kernel, so this warp never waits for one."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
     first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, False)
@@ -249,44 +228,29 @@ def _producer_w(w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g, pdl)
 
 
 @gluon.jit
-def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl, J: gl.constexpr):
-    """One of NS warps: x of groups J, J + NS, ... by cp.async DEPTH of its groups ahead, permuted into the stage
-    once the consumers released it."""
+def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, pdl):
+    """One warp, one launch, no prep kernel: x by cp.async into a staging ring DEPTH groups ahead, then, once the
+    consumers released the stage, permuted from there into it with its sums (`_stage_x`). A warp of its own, beside
+    `_producer_weights`, so its per-group chain (copy wait, two warp barriers, the permutation, the fence, the
+    arrive) no longer delays the weights' copies (bench/NOTES.md item 28); it takes one of the three warps Gluon
+    pads the producer's warp group with, so a program is still 8 warps."""
     STAGES: gl.constexpr = x_smem.type.shape[0]
-    NS: gl.constexpr = tag.type.shape[0]
-    DEPTH: gl.constexpr = staging.type.shape[0] // NS - 1
+    DEPTH: gl.constexpr = staging.type.shape[0] - 1
     layout: gl.constexpr = _x_words(staging.type.shape[2])
     if pdl:
-        _gdc_wait()
-    for i in gl.static_range(DEPTH):
-        _copy_x(xw_ptr, stride_xw, M, g0 + J + i * NS, J + i * NS < n_g, staging.index(J * (DEPTH + 1) + i))
-    i = 0
-    for g in range(J, n_g, NS):
+        _gdc_wait()  # x is the previous kernel's output
+    for g in gl.static_range(DEPTH):
+        _copy_x(xw_ptr, stride_xw, M, g0 + g, g < n_g, staging.index(g))
+    for g in range(n_g):
         st = g % STAGES
-        _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH * NS, g + DEPTH * NS < n_g, staging.index(J * (DEPTH + 1) + (i + DEPTH) % (DEPTH + 1)))
+        _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH, g + DEPTH < n_g, staging.index((g + DEPTH) % (DEPTH + 1)))
         async_copy.wait_group(DEPTH)
-        gl.thread_barrier()
-        xw = staging.index(J * (DEPTH + 1) + i % (DEPTH + 1)).load(layout)
-        gl.thread_barrier()
+        gl.thread_barrier()  # every lane's copy of group g has landed
+        xw = staging.index(g % (DEPTH + 1)).load(layout)
+        gl.thread_barrier()  # every lane has read it before its buffer is refilled
         if g >= STAGES:
             mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
         _stage_x(xw, full.index(st), x_smem.index(st), xs_smem.index(st))
-        i += 1
-
-
-@gluon.jit
-def _stager0(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl):
-    _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl, 0)
-
-
-@gluon.jit
-def _stager1(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl):
-    _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl, 1)
-
-
-@gluon.jit
-def _stager2(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl):
-    _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, pdl, 2)
 
 
 @gluon.jit
@@ -324,9 +288,9 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr, STAGERS: gl.constexpr = 0):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
-    by the producer's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
+    by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
     None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
     has started."""
     W: gl.constexpr = GROUP // 8
@@ -346,7 +310,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 else 2)  # (+ the producer's store of x)
+        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 else 2)  # (+ the stager's store of x)
         mbarrier.init(empty.index(i), count=1)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
@@ -354,29 +318,14 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
                          n_g, PDL)),
         ], [1], [REGS])
-    elif STAGERS:
-        staging = gl.allocate_shared_memory(gl.int32, [STAGERS * (X_DEPTH + 1), ROWS, GROUP // 2],
-                                            gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
-        tag = gl.allocate_shared_memory(gl.int64, [STAGERS, 1], mbarrier.MBarrierLayout())
-        sargs = (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, tag, g0, n_g, PDL)
-        pargs = (w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g, PDL)
-        if STAGERS == 1:
-            acc, = gl.warp_specialize([(_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)), (_producer_w, pargs), (_stager0, sargs)], [1, 1],
-                                      [REGS, REGS])
-        elif STAGERS == 2:
-            acc, = gl.warp_specialize([(_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)), (_producer_w, pargs), (_stager0, sargs), (_stager1, sargs)],
-                                      [1, 1, 1], [REGS, REGS, REGS])
-        else:
-            acc, = gl.warp_specialize([(_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)), (_producer_w, pargs), (_stager0, sargs), (_stager1, sargs),
-                                       (_stager2, sargs)], [1, 1, 1, 1], [REGS, REGS, REGS, REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, ROWS, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
-            (_producer_x, (w_desc, sz_desc, xw_ptr, stride_xw, M, full, empty, w_smem, x_smem, sz_smem, xs_smem,
-                           staging, n0, g0, n_g, PDL)),
-        ], [1], [REGS])
+            (_producer_weights, (w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g)),
+            (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, PDL)),
+        ], [1, 1], [REGS, REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -413,14 +362,14 @@ def default_config(K: int, N: int, sms: int = TUNED_SMS) -> tuple[int, int, int]
 
 
 def pick(K: int, N: int, group: int, device, rows: int = 1) -> tuple | None:
-    """This path's config for the shape and M = rows, or None where kernels/int4_gemm.py should run it. A
-    one-launch config is tuned at M <= 8: above, a shape under MIN_WEIGHTS goes to the Triton kernel (faster
-    there) and a larger one keeps the split with the prep kernel."""
+    """This path's config for the shape and M = rows, or None where kernels/int4_gemm.py should run it. Above a
+    config's one_launch_m, a shape under MIN_WEIGHTS goes to the Triton kernel (faster there than the prep kernel
+    and this path) and a larger one keeps the split with the prep kernel."""
     if group != GROUP or N % BLOCK_N or K % GROUP or K < 2 * GROUP:
         return None
     if (K, N) in CONFIGS:
         config = CONFIGS[(K, N)]
-        if config is None or rows <= 8 or len(config) == 3 or not config[3]:
+        if config is None or len(config) == 3 or rows <= config[3]:
             return config
         return config[:3] if K * N >= MIN_WEIGHTS else None
     return default_config(K, N, sm_count(device)) if K * N >= MIN_WEIGHTS else None
@@ -452,8 +401,8 @@ def _shared_layouts(block_m: int) -> tuple:
 
 def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] (group 128) -> [M, N] bf16, on this path.
-    config: (split, stages, registers[, x_depth]); x_depth > 0 stages x in the kernel itself (one launch, no
-    prep kernel; M <= 8 and 16-byte aligned rows of x, else the prep kernel runs as with x_depth 0)."""
+    config: (split, stages, registers[, one_launch_m]): x staged in the kernel itself (one launch, no prep kernel)
+    at M <= one_launch_m where x's rows are 16-byte aligned, else by the prep kernel."""
     from kernels import int4_gemm  # (int4_gemm imports this module for its dispatch)
     split, stages, regs, *rest = config
     M, K = x.shape
@@ -463,10 +412,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         raise ValueError(f"int4_gluon: M={M} (<= 16), K={K} (split {split} into whole groups of {GROUP}) and "
                          f"N={N} (a multiple of {BLOCK_N}) do not fit")
     block_m = 8 if M <= 8 else 16
-    x_depth = rest[0] if rest and block_m == 8 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else 0
-    stagers = rest[1] if len(rest) > 1 and x_depth else 0
-    if stagers and stages % stagers:
-        raise ValueError(f"stagers={stagers} must divide stages={stages}")
+    one_launch = bool(rest) and M <= min(rest[0], 8) and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
@@ -476,7 +422,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     w_layout, x_layout, words = _shared_layouts(block_m)
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
     sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
-    if x_depth:
+    if one_launch:
         x_desc = xs_desc = None
         xw = x.view(torch.int32)
     else:
@@ -490,9 +436,8 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
-                                           X_LAYOUT=x_layout, X_DEPTH=x_depth, TRIGGER=trigger,
-                                           ROWS=min(block_m, 1 << (M - 1).bit_length()) if x_depth else block_m,
-                                           STAGERS=stagers,
-                                           num_warps=4, maxnreg=regs, launch_pdl=follows if x_depth else pdl)
+                                           X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,
+                                           TRIGGER=trigger, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
+                                           num_warps=4, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
     note_launch(x.device, trigger)
     return y

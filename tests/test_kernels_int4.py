@@ -146,21 +146,21 @@ def test_gpu_kernel_matches_reference(seed, group):
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 
 
-@pytest.mark.parametrize("K,N,expected,above_8", [
-    (8192, 28672, (1, 4, 64), (1, 4, 64)),   # tuned: 448 column tiles, K unsplit
-    (21504, 5376, (6, 6, 64), (6, 6, 64)),   # tuned
-    (4096, 4096, (8, 2, 64, 2), None),       # tuned: one launch at M <= 8 (2 stages); above, the Triton kernel
-    (14336, 4096, (8, 4, 64, 2), (8, 4, 64)),  # tuned: one launch at M <= 8; above, the prep kernel
-    (8192, 8192, (4, 4, 64), (4, 4, 64)),    # untuned, 64M weights: 128 tiles need 4 slices of 16 groups
-    (4096, 16384, (1, 4, 64), (1, 4, 64)),   # untuned: 256 tiles >= 1.5 per SM (198), unsplit
-    (4096, 12288, (4, 4, 64), (4, 4, 64)),   # untuned: 192 tiles < 198; 3 slices would do but do not divide 32
-    (2048, 4096, None, None),                # untuned and under 2^25 weights: the Triton kernel
-    (4096, 8192 + 32, None, None),           # N not a multiple of 64
+@pytest.mark.parametrize("K,N,at_1,at_8,above_8", [
+    (8192, 28672, (1, 4, 64), (1, 4, 64), (1, 4, 64)),  # tuned: 448 column tiles, K unsplit, the prep kernel
+    (21504, 5376, (6, 6, 64, 4), (6, 6, 64), (6, 6, 64)),  # tuned: one launch at M <= 4, the prep kernel above
+    (4096, 4096, (8, 2, 64, 8), (8, 2, 64, 8), None),  # tuned: one launch at M <= 8; above, the Triton kernel
+    (14336, 4096, (8, 4, 64, 8), (8, 4, 64, 8), (8, 4, 64)),  # tuned: one launch at M <= 8; above, the prep kernel
+    (8192, 8192, (4, 4, 64), (4, 4, 64), (4, 4, 64)),  # untuned, 64M weights: 128 tiles need 4 slices of 16 groups
+    (4096, 16384, (1, 4, 64), (1, 4, 64), (1, 4, 64)),  # untuned: 256 tiles >= 1.5 per SM (198), unsplit
+    (4096, 12288, (4, 4, 64), (4, 4, 64), (4, 4, 64)),  # untuned: 192 tiles < 198; 3 slices do not divide 32
+    (2048, 4096, None, None, None),                     # untuned and under 2^25 weights: the Triton kernel
+    (4096, 8192 + 32, None, None, None),                # N not a multiple of 64
 ])
-def test_gluon_path_is_picked_for_tuned_and_large_group_128_shapes(K, N, expected, above_8):
+def test_gluon_path_is_picked_for_tuned_and_large_group_128_shapes(K, N, at_1, at_8, above_8):
     from kernels import int4_gluon
-    assert int4_gluon.pick(K, N, 128, torch.device("cpu")) == expected
-    assert int4_gluon.pick(K, N, 128, torch.device("cpu"), rows=8) == expected
+    assert int4_gluon.pick(K, N, 128, torch.device("cpu")) == at_1
+    assert int4_gluon.pick(K, N, 128, torch.device("cpu"), rows=8) == at_8
     assert int4_gluon.pick(K, N, 32, torch.device("cpu")) is None, "group 32 stays on the Triton kernel"
     assert int4_gluon.pick(K, N, 128, torch.device("cpu"), rows=9) == above_8
 
@@ -172,13 +172,13 @@ def test_cpu_tensors_never_take_the_gluon_path():
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (TMA, wgmma)")
 @pytest.mark.parametrize("K,N,config", [(4096, 1024, (1, 4, 64)), (4096, 1024, (4, 3, 64)), (3072, 512, (3, 6, 64)),
-                                        (4096, 1024, (8, 4, 64, 2)), (4096, 1024, (8, 2, 64, 2)),
+                                        (4096, 1024, (8, 4, 64, 8)), (4096, 1024, (8, 2, 64, 8)),
                                         (3072, 512, (1, 3, 64, 3)), (8192, 8192, None),
                                         (4096, 4096, None)])
 def test_gpu_gluon_kernel_matches_reference(seed, K, N, config):
     """Every M in 1..16 (the 8- and 16-wide products), split-K with whole and partial waves, x from the prep
-    kernel or staged in the kernel (a 4th config entry; M > 8 then takes the prep kernel); None: the op's own
-    choice, which must be this path for these shapes."""
+    kernel or staged in the kernel (one launch up to the M in a 4th config entry, the prep kernel above); None:
+    the op's own choice, which must be this path for these shapes."""
     from kernels import int4_gluon
     packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K), 128))
     if config is None:
@@ -231,12 +231,13 @@ def test_only_grids_of_three_programs_per_sm_trigger_the_next_launch():
 def test_gpu_calls_in_sequence_replayed_from_a_graph_match_eager_and_reference(seed):
     """Each call's output is the next call's x, captured in one CUDA graph: the first three grids trigger the next
     launch at their start (so the next call's programs, and its prep kernel if it has one, are resident before
-    this call ends); the last two stage x in one launch, the third of them triggering, the last not. Every replay
-    on fresh x equals the eager calls bitwise and each stage its float64 reference."""
+    this call ends); the last two stage x in one launch, the third of them triggering, the last not, and the first
+    stages x in one launch at M = 1 and takes the prep kernel at M = 5 and 8. Every replay on fresh x equals the
+    eager calls bitwise and each stage its float64 reference."""
     from kernels import int4_gluon
     dev = torch.device("cuda")
-    sequence = [((4096, 14336), (2, 4, 64)), ((14336, 4096), (8, 4, 64)), ((4096, 4096), (8, 4, 64, 2)),
-                ((4096, 1024), (8, 4, 64, 2))]
+    sequence = [((4096, 14336), (2, 4, 64, 4)), ((14336, 4096), (8, 4, 64)), ((4096, 4096), (8, 4, 64, 8)),
+                ((4096, 1024), (8, 4, 64, 8))]
     assert [int4_gluon.triggers(N, cfg[0], dev) for (K, N), cfg in sequence] == [True, True, True, False]
     weights = [tuple(t.cuda() for t in G.quantize_int4(torch.randn(N, K) * 0.05, 128)) for (K, N), _ in sequence]
     for M in (1, 5, 8):
