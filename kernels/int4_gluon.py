@@ -34,11 +34,13 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
   x itself (cp.async of x in natural order X_DEPTH groups ahead into a staging ring, then permuted in registers
   into the stage with its sums: `_stager`) beside the producer warp, which then issues only the weights'
   copies (`_producer_weights`), so no prep kernel runs. Staged by the producer warp itself (items 21-27), x
-  made that warp's per-group chain set the pace on long loops; in a warp of its own it is 2-9% faster than
-  the prep kernel at M <= 4 on every shape but 8192x28672 (item 28). Above `one_launch_m` the prep kernel
-  wins: at M = 8 the stager's permutation and sums of 8 rows compete with the consumer warps for issue
-  slots. Only the first ROWS = next power of 2 >= M rows are copied and permuted: the stage's other rows
-  repeat them, and their products land in output rows >= M, which are never stored (item 27: the same bits).
+  made that warp's per-group chain set the pace on long loops; in a warp of its own it beats both that and the
+  prep kernel at small M on every tuned shape (call 106, M = 1: 4096x4096 6.68 against 6.90 us, 4096x14336
+  12.9 against 13.9, 21504x5376 20.4 against 21.8), up to a per-shape M. Above it the prep kernel wins (on
+  8192x28672 from M = 2): the stager's permutation and sums of up to 8 rows per group then likely compete with
+  the consumer warps for issue slots (two stager warps taking alternate groups were no faster than one).
+  Only the first ROWS = next power of 2 >= M rows are copied and permuted: the stage's other rows repeat them,
+  and their products land in output rows >= M, which are never stored (item 27: the same bits).
 Each group's product is waited for before the next is issued: keeping it in flight (two alternating
 accumulators, `warpgroup_mma_wait(1)`) compiles, but ptxas then serialises every wgmma (C7514).
 
@@ -69,15 +71,15 @@ BLOCK_N = 64
 XS_WIDTH = gl.constexpr(32)  # floats per group in the X buffer (16 used): 128 bytes, the TMA destination alignment
 MAX_SPLIT = 16
 
-# (split, stages, registers[, one_launch_m]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17, 21-23
-# and 28; calls 37, 51, 59-61, 73 and 104), for the shapes where this path beat kernels/int4_gemm.py (None: a shape
-# it did not; `bench.kernels --tune` redoes it); one_launch_m: x staged by the kernel itself (one launch) at
-# M <= one_launch_m (<= 8), by the prep kernel above. Other shapes: `pick`.
+# (split, stages, registers[, one_launch_m]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17,
+# 21-23 and 28; calls 37, 51, 59-61, 73, 104 and 106), for the shapes where this path beat kernels/int4_gemm.py
+# (None: a shape it did not; `bench.kernels --tune` redoes it); one_launch_m: x staged by the kernel itself (one
+# launch) at M <= one_launch_m (<= 8), by the prep kernel above. Other shapes: `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 14336): (2, 4, 64, 4),  # split 2: enough programs per SM for the overlap mode
     (14336, 4096): (8, 4, 64, 8),
-    (5376, 21504): (1, 4, 64, 4),
-    (21504, 5376): (6, 6, 64, 4),
+    (5376, 21504): (1, 4, 64, 3),
+    (21504, 5376): (6, 6, 64, 8),
     (8192, 28672): (1, 4, 64),
     (4096, 128256): (1, 4, 64),  # Llama-3-8B lm_head
     (4096, 28672): (1, 4, 64, 1),   # fused gate|up

@@ -148,7 +148,7 @@ HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 
 @pytest.mark.parametrize("K,N,at_1,at_8,above_8", [
     (8192, 28672, (1, 4, 64), (1, 4, 64), (1, 4, 64)),  # tuned: 448 column tiles, K unsplit, the prep kernel
-    (21504, 5376, (6, 6, 64, 4), (6, 6, 64), (6, 6, 64)),  # tuned: one launch at M <= 4, the prep kernel above
+    (5376, 21504, (1, 4, 64, 3), (1, 4, 64), (1, 4, 64)),  # tuned: one launch at M <= 3, the prep kernel above
     (4096, 4096, (8, 2, 64, 8), (8, 2, 64, 8), None),  # tuned: one launch at M <= 8; above, the Triton kernel
     (14336, 4096, (8, 4, 64, 8), (8, 4, 64, 8), (8, 4, 64)),  # tuned: one launch at M <= 8; above, the prep kernel
     (8192, 8192, (4, 4, 64), (4, 4, 64), (4, 4, 64)),  # untuned, 64M weights: 128 tiles need 4 slices of 16 groups
