@@ -3,7 +3,7 @@
 - int4_gemm: INT4 weight-only GEMM, weight-stationary for M <= 16 (`int4_mm`, `quantize_int4`,
   `int4_mm_reference`); on a Hopper GPU `int4_mm` runs the tuned and the large group-128 shapes on
   int4_gluon, the same arithmetic warp-specialised in Gluon (a TMA producer warp feeding one consumer
-  warpgroup; on the small tuned shapes one launch, x staged by the producer; a grid of >= 3 programs per
+  warpgroup; up to a per-shape M one launch, x staged by a stager warp of its own; a grid of >= 3 programs per
   SM lets the next kernel start during its tail, and a call starts early only after a launch of ours that
   allows it: `kernels._jit`);
 - sdpa_midm: split-K attention for M <= 16 query rows over a long GQA KV cache (`sdpa_midm`,
