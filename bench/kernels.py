@@ -499,13 +499,12 @@ def section_tune():
                 wins = next((i for i, (a, b) in enumerate(zip(one, prep)) if a >= b), len(prep))
                 times = one[:wins] + prep[wins:]
                 tried[cfg + ((TUNE_GLUON_MS[wins - 1],) if wins else ())] = times
-            rows_gl.update(tried)
             cfg = min(tried, key=lambda c: max(tried[c]))
             # the shape takes this path where it beats the Triton kernel's best by more than 3%
-            gluon_table[(K, N)] = cfg if max(rows_gl[cfg]) < 0.97 * best[0] else None
+            gluon_table[(K, N)] = cfg if max(tried[cfg]) < 0.97 * best[0] else None
             detail[f"{K}x{N}"]["gluon"] = dict(rows={str(c): v for c, v in rows_gl.items()}, best=cfg,
-                                               best_us=max(rows_gl[cfg]), taken=gluon_table[(K, N)] is not None)
-            log(f"   gluon: best {cfg} {max(rows_gl[cfg]):.1f} us -> {'gluon' if gluon_table[(K, N)] else 'triton'}")
+                                               best_us=max(tried[cfg]), taken=gluon_table[(K, N)] is not None)
+            log(f"   gluon: best {cfg} {max(tried[cfg]):.1f} us -> {'gluon' if gluon_table[(K, N)] else 'triton'}")
         del ops, xs
         torch.cuda.empty_cache()
     G.CONFIGS.update(table)
