@@ -85,7 +85,6 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 28672): (1, 4, 64, 1),   # fused gate|up
     (4096, 4096): (8, 2, 64, 8), (4096, 1024): (8, 4, 64, 8), (4096, 6144): (4, 2, 64, 8),  # 2 stages: item 23
 }
-DIAG = 0  # temporary diagnostic: 1 = no unpack (wrong values)
 X_DEPTH = 2  # groups of x the stager copies ahead (1 and 2 level in calls 101 and 104)
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
@@ -107,18 +106,6 @@ def _a_operand(wd, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, a_l: gl.constexpr
     o = gl.join(gl.join(_unpack(wd, 0), _unpack(wd, 2)), gl.join(_unpack(wd, 1), _unpack(wd, 3)))  # [N, W, s1, s0]
     o = gl.join((o & 0xFFFF).to(gl.int16), (o >> 16).to(gl.int16))  # [N, W, s1, s0, half]
     o = gl.permute(gl.reshape(o, [BLOCK_N, 4, W // 4, 2, 2, 2]), [0, 2, 3, 4, 1, 5])  # [N, v, s1, s0, t, half]
-    w = gl.reshape(o, [BLOCK_N, GROUP]).to(gl.bfloat16, bitcast=True)
-    return gl.convert_layout(w, a_l, assert_trivial=True)
-
-
-@gluon.jit
-def _raw_operand(wd, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, a_l: gl.constexpr):
-    """Diagnostic (temporary): the A operand from the raw words, each word in four places, no unpack (wrong
-    values); what the unpack costs."""
-    W: gl.constexpr = GROUP // 8
-    o = gl.join(gl.join(wd, wd), gl.join(wd, wd))
-    o = gl.join((o & 0xFFFF).to(gl.int16), (o >> 16).to(gl.int16))
-    o = gl.permute(gl.reshape(o, [BLOCK_N, 4, W // 4, 2, 2, 2]), [0, 2, 3, 4, 1, 5])
     w = gl.reshape(o, [BLOCK_N, GROUP]).to(gl.bfloat16, bitcast=True)
     return gl.convert_layout(w, a_l, assert_trivial=True)
 
@@ -270,7 +257,7 @@ def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g
 
 @gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, DIAG: gl.constexpr):
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
     """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
     W: gl.constexpr = GROUP // 8
     # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
@@ -286,10 +273,7 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
     for g in range(n_g):
         st = g % STAGES
         mbarrier.wait(full.index(st), (g // STAGES) & 1)
-        if DIAG == 1:
-            w = _raw_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
-        else:
-            w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
+        w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
         sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
         x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
         s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
@@ -306,7 +290,7 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr, DIAG: gl.constexpr = 0):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
     None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
@@ -332,7 +316,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         mbarrier.init(empty.index(i), count=1)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M, DIAG)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
                          n_g, PDL)),
         ], [1], [REGS])
@@ -340,7 +324,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, ROWS, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M, DIAG)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer_weights, (w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g)),
             (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, PDL)),
         ], [1, 1], [REGS, REGS])
@@ -455,7 +439,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,
-                                           TRIGGER=trigger, DIAG=DIAG, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
+                                           TRIGGER=trigger, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
                                            num_warps=4, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
     note_launch(x.device, trigger)
     return y
