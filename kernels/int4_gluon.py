@@ -33,7 +33,7 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
 - One launch up to a per-shape M (the 4th CONFIGS entry, `one_launch_m`; items 21 and 28): a stager warp stages
   x itself (cp.async of x in natural order X_DEPTH groups ahead into a staging ring, then permuted in registers
   into the stage with its sums: `_stager`) beside the producer warp, which then issues only the weights'
-  copies (`_producer_weights`), so no prep kernel runs. Staged by the producer warp itself (items 21-27), x
+  copies (`_producer`), so no prep kernel runs. Staged by the producer warp itself (items 21-27), x
   made that warp's per-group chain set the pace on long loops; in a warp of its own it beats both that and the
   prep kernel at small M on every tuned shape (call 106, M = 1: 4096x4096 6.68 against 6.90 us, 4096x14336
   12.9 against 13.9, 21504x5376 20.4 against 21.8), up to a per-shape M. Above it the prep kernel wins (on
@@ -153,19 +153,22 @@ def _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes: gl.
 @gluon.jit
 def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl):
     """One warp: each group's copies into its stage once the consumers released the stage's previous group; x
-    and X (the prep kernel's output) only after `_first_ring`'s wait.
+    and X (the prep kernel's output) only after `_first_ring`'s wait. In one launch (x_desc None) the weights and
+    scale/zero only: x is `_stager`'s, and the weights depend on no earlier kernel, so `pdl` is False there.
     (Worker partitions take no constexpr arguments: the sizes come from the descriptors and buffers.)"""
     STAGES: gl.constexpr = w_smem.type.shape[0]
-    nbytes: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + sz_desc.block_type.nbytes
-                            + xs_desc.block_type.nbytes)
+    nbytes: gl.constexpr = (w_desc.block_type.nbytes + sz_desc.block_type.nbytes
+                            + (x_desc.block_type.nbytes + xs_desc.block_type.nbytes if x_desc is not None else 0))
     first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
-    for g in range(first):
-        _issue_x(x_desc, xs_desc, full.index(g), x_smem.index(g), xs_smem.index(g), g0 + g)
+    if x_desc is not None:
+        for g in range(first):
+            _issue_x(x_desc, xs_desc, full.index(g), x_smem.index(g), xs_smem.index(g), g0 + g)
     for g in range(first, n_g):
         st = g % STAGES
         mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
         _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
-        _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
+        if x_desc is not None:
+            _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
 
 
 @constexpr_function
@@ -217,23 +220,10 @@ def _stage_x(xw, bar, x_s, xs_s):
 
 
 @gluon.jit
-def _producer_weights(w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g):
-    """One warp, one launch: each group's weight and scale/zero copies, as in `_producer`; x is `_stager`'s. The
-    weights depend on no earlier kernel, so this warp never waits for one."""
-    STAGES: gl.constexpr = w_smem.type.shape[0]
-    nbytes: gl.constexpr = w_desc.block_type.nbytes + sz_desc.block_type.nbytes
-    first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, False)
-    for g in range(first, n_g):
-        st = g % STAGES
-        mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
-        _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
-
-
-@gluon.jit
 def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, pdl):
     """One warp, one launch, no prep kernel: x by cp.async into a staging ring DEPTH groups ahead, then, once the
     consumers released the stage, permuted from there into it with its sums (`_stage_x`). A warp of its own, beside
-    `_producer_weights`, so its per-group chain (copy wait, two warp barriers, the permutation, the fence, the
+    `_producer`, so its per-group chain (copy wait, two warp barriers, the permutation, the fence, the
     arrive) no longer delays the weights' copies (bench/NOTES.md item 28); it takes one of the three warps Gluon
     pads the producer's warp group with, so a program is still 8 warps."""
     STAGES: gl.constexpr = x_smem.type.shape[0]
@@ -325,7 +315,8 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
-            (_producer_weights, (w_desc, sz_desc, full, empty, w_smem, sz_smem, n0, g0, n_g)),
+            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
+                         False)),
             (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, PDL)),
         ], [1, 1], [REGS, REGS])
     for i in gl.static_range(STAGES):
