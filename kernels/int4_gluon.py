@@ -128,13 +128,18 @@ def _gdc_launch():
 
 @gluon.jit
 def _issue_weights(w_desc, sz_desc, bar, w_smem, sz_smem, n0, st, g, nbytes: gl.constexpr):
-    """Stage st's expect and its SG groups' weight and scale/zero copies (groups g.., slots SG st..)."""
-    SG: gl.constexpr = w_smem.type.shape[0] // bar.type.shape[0]
-    mbarrier.expect(bar.index(st), SG * nbytes)  # every TMA byte of the stage (with the prep kernel, x's and X's too)
-    for i in gl.static_range(SG):
-        tma.async_copy_global_to_shared(w_desc, [n0, (g + i) * w_desc.block_type.shape[1]], bar.index(st),
-                                        w_smem.index(st * SG + i))
-        tma.async_copy_global_to_shared(sz_desc, [g + i, n0], bar.index(st), sz_smem.index(st * SG + i))
+    """Stage st's expect and its copies: the weight words of groups g..g+SG-1 ([SG, 64, g/8] words, one box over
+    the [K/g, N, g/8] view) and their scale/zero words ([SG, 64])."""
+    STAGES: gl.constexpr = bar.type.shape[0]
+    SG: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    W: gl.constexpr = w_desc.block_type.shape[2]
+    # the buffers hold a slot per group; the stage's SG slots are one box (the swizzle repeats within a slot)
+    w_st = w_smem._reinterpret(gl.int32, [STAGES, SG, BLOCK_N, W], w_desc.layout).index(st)
+    sz_st = sz_smem._reinterpret(gl.int32, [STAGES, SG, BLOCK_N], sz_desc.layout).index(st)
+    mbarrier.expect(bar.index(st), nbytes)  # every TMA byte of the stage (with the prep kernel, x's and X's too)
+    tma.async_copy_global_to_shared(w_desc, [g, n0, 0], bar.index(st), w_st)
+    tma.async_copy_global_to_shared(sz_desc, [g, n0], bar.index(st), sz_st)
 
 
 @gluon.jit
@@ -150,7 +155,7 @@ def _issue_x(x_desc, xs_desc, bar, x_smem, xs_smem, st, g):
 def _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_s, nbytes: gl.constexpr, pdl):
     """The first ring's weights and scale/zero, then the programmatic-dependency wait (`pdl`): they depend on no
     earlier kernel, so their DRAM latency overlaps the previous kernel and this grid's launch. -> stages issued."""
-    SG: gl.constexpr = w_smem.type.shape[0] // full.type.shape[0]
+    SG: gl.constexpr = w_desc.block_type.shape[0]
     first = gl.minimum(n_s, full.type.shape[0])
     for j in range(first):
         _issue_weights(w_desc, sz_desc, full, w_smem, sz_smem, n0, j, g0 + j * SG, nbytes)
@@ -166,9 +171,9 @@ def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_
     scale/zero only: x is `_stager`'s, and the weights depend on no earlier kernel, so `pdl` is False there.
     (Worker partitions take no constexpr arguments: the sizes come from the descriptors and buffers.)"""
     STAGES: gl.constexpr = full.type.shape[0]
-    SG: gl.constexpr = w_smem.type.shape[0] // STAGES
+    SG: gl.constexpr = w_desc.block_type.shape[0]
     nbytes: gl.constexpr = (w_desc.block_type.nbytes + sz_desc.block_type.nbytes
-                            + (x_desc.block_type.nbytes + xs_desc.block_type.nbytes if x_desc is not None else 0))
+                            + (SG * (x_desc.block_type.nbytes + xs_desc.block_type.nbytes) if x_desc is not None else 0))
     first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_s, nbytes, pdl)
     if x_desc is not None:
         for j in range(first):
@@ -312,7 +317,9 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
     g0 = pid_k * n_g
 
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SG, BLOCK_N, W], w_desc.layout)  # a slot per group
+    w_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=w_desc.layout.swizzle_byte_width, element_bitwidth=32,
+                                             rank=2)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SG, BLOCK_N, W], w_l)  # a slot per group
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * SG, BLOCK_M, GROUP], X_LAYOUT)
     sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SG, 1, BLOCK_N], sz_desc.layout)
     xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES * SG, 1, XS_WIDTH], sz_desc.layout)
@@ -404,7 +411,7 @@ def usable(x: torch.Tensor) -> bool:
 @functools.cache
 def _shared_layouts(block_m: int) -> tuple:
     """(weights, x, one-row words) shared-memory layouts of the TMA boxes."""
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP // 8], gl.int32),
+    return (gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, GROUP // 8], gl.int32),
             gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.bfloat16),
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
@@ -431,8 +438,10 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     trigger = pdl and triggers(N, split, x.device)  # the overlap mode (module docstring)
     follows = pdl and last_launch_triggers(x.device)  # the call's first kernel launched as a dependent
     w_layout, x_layout, words = _shared_layouts(block_m)
-    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
-    sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
+    w_words = packed.view(torch.int32)  # [N, K/8] -> [K/g, N, g/8]: a stage's groups in one box, a group a slab
+    w_desc = TensorDescriptor(w_words, [K // GROUP, N, GROUP // 8], [GROUP // 8, w_words.stride(0), 1],
+                              [sg, BLOCK_N, GROUP // 8], w_layout)
+    sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [sg, BLOCK_N], words)
     if one_launch:
         x_desc = xs_desc = None
         xw = x.view(torch.int32)
