@@ -36,10 +36,12 @@ def stream(config, mode=1):
 
 @gluon.jit
 def _read_pad(x_ptr, out_ptr, per, BLOCK: gl.constexpr, PAD: gl.constexpr):
-    """bench.kernels' read kernel (overlapped, waiting after its first BLOCK words) holding PAD words of shared
-    memory, so that only so many programs fit an SM."""
+    """bench.kernels' read kernel (overlapped, waiting after its first BLOCK words) holding BLOCK + PAD words of
+    shared memory, so that only so many programs fit an SM."""
     layout: gl.constexpr = gl.BlockedLayout([4], [32], [8], [0])
-    pad = gl.allocate_shared_memory(gl.int32, [PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    pad = gl.allocate_shared_memory(gl.int32, [BLOCK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if PAD > 0:
+        more = gl.allocate_shared_memory(gl.int32, [PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     int4_gluon._gdc_launch()
     base = gl.program_id(0).to(gl.int64) * per
     offs = gl.arange(0, BLOCK, layout)
@@ -47,9 +49,14 @@ def _read_pad(x_ptr, out_ptr, per, BLOCK: gl.constexpr, PAD: gl.constexpr):
     int4_gluon._gdc_wait()
     for off in range(BLOCK, per, BLOCK):
         acc += gl.load(x_ptr + base + off + offs, cache_modifier=".cg")
-    pad.slice(0, BLOCK).store(acc)
+    pad.store(acc)
+    if PAD > 0:
+        more.slice(0, BLOCK).store(acc)
     gl.thread_barrier()
-    gl.store(out_ptr + gl.program_id(0), gl.sum(pad.slice(0, BLOCK).load(layout), 0))
+    total = gl.sum(pad.load(layout), 0)
+    if PAD > 0:
+        total = total + gl.sum(more.slice(0, BLOCK).load(layout), 0) * 0
+    gl.store(out_ptr + gl.program_id(0), total)
 
 
 def reader(nbytes, programs, copies, dst, pad=None):
@@ -79,8 +86,8 @@ def main():
         ops = B.gemm_operands(K, N, 128, copies)
         grid = N // 64 * config[0]
         reads = {"read grid": reader(nbytes, grid, copies, dst), "read 4/SM": reader(nbytes, 4 * sms, copies, dst),
-                 "gl read grid": reader(nbytes, grid, copies, dst, pad=B.READ_BLOCK),
-                 "gl read grid <=4/SM": reader(nbytes, grid, copies, dst, pad=12 * 1024)}
+                 "gl read grid": reader(nbytes, grid, copies, dst, pad=0),
+                 "gl read grid <=4/SM": reader(nbytes, grid, copies, dst, pad=8192)}
         for M in (1, 8):
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
             fns = {"ours": lambda x, p, s: int4_gluon.launch(x, p, s, config), "stream": stream(config),
