@@ -2,7 +2,7 @@
 Interleaved in three rounds, back to back over rotating copies, us: `ours` (the shipped config), `stream` (the
 same launch with the consumers releasing each stage unread: int4_gluon.DIAG_STREAM; wrong outputs), `ring only`
 (the same and the stager stages nothing: the weights' TMA ring alone), `stream prep` (`stream` with x from the
-prep kernel), `read grid` (bench.kernels' read kernel overlapped and waiting after its
+prep kernel), `stager only` (`stream` with no weights copied: the stager and the handshakes alone), `read grid` (bench.kernels' read kernel overlapped and waiting after its
 first 16 KB, with as many programs as our grid), `read 4/SM` (the same with 4 programs per SM), `gl read grid` (the same read in Gluon, 16 KB of shared memory a
 program) and `gl read grid <=4/SM` (48 KB: at most 4 programs on an SM, as our GEMM).
 
@@ -91,7 +91,7 @@ def main():
         for M in (1, 8):
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
             fns = {"ours": lambda x, p, s: int4_gluon.launch(x, p, s, config), "stream": stream(config),
-                   "ring only": stream(config, 2), "stream prep": stream(config[:3])}
+                   "ring only": stream(config, 2), "stager only": stream(config, 3), "stream prep": stream(config[:3])}
             t = {}
             for rnd in range(3):
                 for name, f in fns.items():
@@ -106,7 +106,7 @@ def main():
         del ops, reads
         torch.cuda.empty_cache()
         json.dump(res, open(out, "w"), indent=1)
-    names = ["ours", "stream", "ring only", "stream prep", "read grid", "read 4/SM", "gl read grid",
+    names = ["ours", "stream", "ring only", "stager only", "stream prep", "read grid", "read 4/SM", "gl read grid",
              "gl read grid <=4/SM"]
     print("\n| K x N | M | " + " | ".join(names) + " |")
     for key, row in res.items():

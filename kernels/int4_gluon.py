@@ -86,7 +86,8 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 4096): (8, 2, 64, 8), (4096, 1024): (8, 4, 64, 8), (4096, 6144): (4, 2, 64, 8),  # 2 stages: item 23
 }
 X_DEPTH = 2  # groups of x the stager copies ahead (1 and 2 level in calls 101 and 104)
-DIAG_STREAM = 0  # temporary diagnostic: 1 the consumers release each stage unread; 2 and the stager stages nothing
+DIAG_STREAM = 0  # temporary diagnostic: 1 the consumers release each stage unread; 2 and the stager stages nothing;
+# 3 and the producer copies nothing (the stager alone)
 STAGE_GROUPS = 1  # groups of k a stage holds (one full/empty handshake per stage)
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
@@ -330,7 +331,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 or STREAM == 2 else 2)  # (+ the stager's store of x)
+        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 or STREAM >= 2 else 2)  # (+ the stager's store of x)
         mbarrier.init(empty.index(i), count=1)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
@@ -344,8 +345,8 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, SG, BLOCK_N, BLOCK_M, STREAM)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
-                         n_g // SG, False)),
-            (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g if STREAM < 2 else 0, PDL)),
+                         n_g // SG if STREAM < 3 else 0, False)),
+            (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g if STREAM != 2 else 0, PDL)),
         ], [1, 1], [REGS, REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
