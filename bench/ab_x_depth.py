@@ -39,10 +39,10 @@ def main():
             if M > config[3]:
                 continue
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
-            fns = {f"ours d{d}": run(config, d) for d in DEPTHS}
-            fns.update({f"stager d{d}": run(config, d, 3) for d in DEPTHS})
-            y0 = [fns[f"ours d{d}"](xs[0], *ops[0]) for d in DEPTHS]
-            assert all(torch.equal(y0[0], y) for y in y0), (K, N, M)
+            fns = {"ours": run(config, 2), "ours no fence": run(config, 2, 5), "stager": run(config, 2, 3),
+                   "stager no fence": run(config, 2, 4)}
+            y0 = [fns[n](xs[0], *ops[0]) for n in ("ours", "ours no fence")]
+            res.setdefault("no fence equal", []).append(torch.equal(*y0))
             t = {}
             for rnd in range(3):
                 for name, f in fns.items():
@@ -52,9 +52,12 @@ def main():
         del ops
         torch.cuda.empty_cache()
         json.dump(res, open(out, "w"), indent=1)
-    names = [f"ours d{d}" for d in DEPTHS] + [f"stager d{d}" for d in DEPTHS]
+    names = ["ours", "ours no fence", "stager", "stager no fence"]
+    print("no fence bitwise equal:", res.pop("no fence equal"))
     print("\n| K x N | M | " + " | ".join(names) + " |")
     for key, t in res.items():
+        if key == "no fence equal":
+            continue
         shape, m = key.split(" ")
         print(f"| {shape} | {m[2:]} | " + " | ".join(f"{sorted(t[n])[1]:.2f}" for n in names) + " |")
 

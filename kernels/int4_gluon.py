@@ -266,6 +266,36 @@ def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g
 
 
 @gluon.jit
+def _stager_nofence(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, pdl):
+    """One warp, one launch, no prep kernel: x by cp.async into a staging ring DEPTH groups ahead, then, once the
+    consumers released the stage, permuted from there into it with its sums (`_stage_x`). A warp of its own, beside
+    `_producer`, so its per-group chain (copy wait, two warp barriers, the permutation, the fence, the
+    arrive) no longer delays the weights' copies (bench/NOTES.md item 28); it takes one of the three warps Gluon
+    pads the producer's warp group with, so a program is still 8 warps."""
+    STAGES: gl.constexpr = full.type.shape[0]
+    SG: gl.constexpr = x_smem.type.shape[0] // STAGES
+    DEPTH: gl.constexpr = staging.type.shape[0] - 1
+    layout: gl.constexpr = _x_words(staging.type.shape[2])
+    if pdl:
+        _gdc_wait()  # x is the previous kernel's output
+    for d in gl.static_range(DEPTH):
+        _copy_x(xw_ptr, stride_xw, M, g0 + d, d < n_g, staging.index(d))
+    for j in range(n_g // SG):
+        st = j % STAGES
+        for i in gl.static_range(SG):
+            g = j * SG + i
+            _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH, g + DEPTH < n_g, staging.index((g + DEPTH) % (DEPTH + 1)))
+            async_copy.wait_group(DEPTH)
+            gl.thread_barrier()  # every lane's copy of group g has landed
+            xw = staging.index(g % (DEPTH + 1)).load(layout)
+            gl.thread_barrier()  # every lane has read it before its buffer is refilled
+            if i == 0 and j >= STAGES:
+                mbarrier.wait(empty.index(st), ((j // STAGES) - 1) & 1)
+            _stage_x(xw, x_smem.index(st * SG + i), xs_smem.index(st * SG + i))
+        mbarrier.arrive(full.index(st), count=1)  # the stage's second arrival (the first is the weights' expect)
+
+
+@gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
               SG: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STREAM: gl.constexpr):
     """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
@@ -331,11 +361,12 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 or STREAM >= 2 else 2)  # (+ the stager's store of x)
+        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 or (STREAM >= 2 and STREAM <= 4) else 2)  # (+ the stager's store of x)
         mbarrier.init(empty.index(i), count=1)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, SG, BLOCK_N, BLOCK_M, STREAM)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, SG, BLOCK_N, BLOCK_M,
+                         STREAM > 0 and STREAM < 5)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
                          n_g // SG, PDL)),
         ], [1], [REGS])
@@ -343,10 +374,12 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, ROWS, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, SG, BLOCK_N, BLOCK_M, STREAM)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, SG, BLOCK_N, BLOCK_M,
+                         STREAM > 0 and STREAM < 5)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
-                         n_g // SG if STREAM < 3 else 0, False)),
-            (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g if STREAM != 2 else 0, PDL)),
+                         n_g // SG if STREAM < 3 or STREAM == 5 else 0, False)),
+            (_stager if STREAM < 4 else _stager_nofence,
+             (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g if STREAM != 2 else 0, PDL)),
         ], [1, 1], [REGS, REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
