@@ -6,7 +6,7 @@ instruction mix inside the hot loop, so block shapes can be judged before spendi
 
     python -m bench.sass int4 BLOCK_N BLOCK_K GROUP SPLIT warps stages
     python -m bench.sass sdpa BLOCK_R BLOCK_N warps stages
-    python -m bench.sass gluon BLOCK_M SPLIT stages regs [x_depth [trigger [rows [groups_per_stage]]]]    # kernels/int4_gluon.py
+    python -m bench.sass gluon BLOCK_M SPLIT stages regs [x_depth [trigger [rows]]]    # kernels/int4_gluon.py
 """
 
 from __future__ import annotations
@@ -66,20 +66,20 @@ def int4(block_n, block_k, group, split, warps, stages):
     return compile_sm90(_int4_mm_kernel.get(), sig, const, warps, stages, aligned)
 
 
-def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, rows=0, sg=1):
+def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, rows=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels import int4_gluon as g
     w_l, x_l, words = g._shared_layouts(block_m)
     desc = lambda dtype, shape, layout: f"tensordesc<{dtype}{list(shape)},{layout!r}>"
-    sig = dict(w_desc=desc("i32", [sg, g.BLOCK_N, g.GROUP // 8], w_l),
+    sig = dict(w_desc=desc("i32", [g.BLOCK_N, g.GROUP // 8], w_l),
                x_desc="constexpr" if x_depth else desc("bf16", [block_m, g.GROUP], x_l),
-               sz_desc=desc("i32", [sg, g.BLOCK_N], words),
+               sz_desc=desc("i32", [1, g.BLOCK_N], words),
                xs_desc="constexpr" if x_depth else desc("fp32", [1, g.XS_WIDTH.value], words),
                xw_ptr="*i32" if x_depth else "constexpr", y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
                N="i32", K="i32", stride_xw="i32", stride_ym="i32")
     const = dict(GROUP=g.GROUP, BLOCK_N=g.BLOCK_N, BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=True,
-                 X_LAYOUT=x_l, X_DEPTH=x_depth, TRIGGER=bool(trigger), ROWS=rows or block_m, SG=sg, STREAM=False)
+                 X_LAYOUT=x_l, X_DEPTH=x_depth, TRIGGER=bool(trigger), ROWS=rows or block_m)
     const.update({k: None for k in ("x_desc", "xs_desc", "xw_ptr") if sig[k] == "constexpr"})
     sig.update({k: "constexpr" for k in const})
     names = list(sig)

@@ -86,10 +86,6 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 4096): (8, 2, 64, 8), (4096, 1024): (8, 4, 64, 8), (4096, 6144): (4, 2, 64, 8),  # 2 stages: item 23
 }
 X_DEPTH = 2  # groups of x the stager copies ahead (1 and 2 level in calls 101 and 104)
-DIAG_STREAM = 0  # temporary diagnostic: 1 the consumers release each stage unread; 2 and the stager stages nothing;
-# 3 and the producer copies nothing (the stager alone); 4 as 3 without the fence; 5 the kernel without the
-# fence; 6 the kernel with the stager staging nothing (the weights' ring and the consumers' work, no wait for x)
-STAGE_GROUPS = 1  # groups of k a stage holds (one full/empty handshake per stage)
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
@@ -130,63 +126,49 @@ def _gdc_launch():
 
 
 @gluon.jit
-def _issue_weights(w_desc, sz_desc, bar, w_smem, sz_smem, n0, st, g, nbytes: gl.constexpr):
-    """Stage st's expect and its copies: the weight words of groups g..g+SG-1 ([SG, 64, g/8] words, one box over
-    the [K/g, N, g/8] view) and their scale/zero words ([SG, 64])."""
-    STAGES: gl.constexpr = bar.type.shape[0]
-    SG: gl.constexpr = w_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
-    W: gl.constexpr = w_desc.block_type.shape[2]
-    # the buffers hold a slot per group; the stage's SG slots are one box (the swizzle repeats within a slot)
-    w_st = w_smem._reinterpret(gl.int32, [STAGES, SG, BLOCK_N, W], w_desc.layout).index(st)
-    sz_st = sz_smem._reinterpret(gl.int32, [STAGES, SG, BLOCK_N], sz_desc.layout).index(st)
-    mbarrier.expect(bar.index(st), nbytes)  # every TMA byte of the stage (with the prep kernel, x's and X's too)
-    tma.async_copy_global_to_shared(w_desc, [g, n0, 0], bar.index(st), w_st)
-    tma.async_copy_global_to_shared(sz_desc, [g, n0], bar.index(st), sz_st)
+def _issue_weights(w_desc, sz_desc, bar, w_s, sz_s, n0, g, nbytes: gl.constexpr):
+    mbarrier.expect(bar, nbytes)  # every TMA byte of the stage (with the prep kernel, x's and X's copies too)
+    tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
+    tma.async_copy_global_to_shared(sz_desc, [g, n0], bar, sz_s)
 
 
 @gluon.jit
-def _issue_x(x_desc, xs_desc, bar, x_smem, xs_smem, st, g):
-    SG: gl.constexpr = x_smem.type.shape[0] // bar.type.shape[0]
-    for i in gl.static_range(SG):
-        tma.async_copy_global_to_shared(x_desc, [0, (g + i) * x_desc.block_type.shape[1]], bar.index(st),
-                                        x_smem.index(st * SG + i))
-        tma.async_copy_global_to_shared(xs_desc, [g + i, 0], bar.index(st), xs_smem.index(st * SG + i))
+def _issue_x(x_desc, xs_desc, bar, x_s, xs_s, g):
+    tma.async_copy_global_to_shared(x_desc, [0, g * x_desc.block_type.shape[1]], bar, x_s)
+    tma.async_copy_global_to_shared(xs_desc, [g, 0], bar, xs_s)
 
 
 @gluon.jit
-def _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_s, nbytes: gl.constexpr, pdl):
+def _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes: gl.constexpr, pdl):
     """The first ring's weights and scale/zero, then the programmatic-dependency wait (`pdl`): they depend on no
-    earlier kernel, so their DRAM latency overlaps the previous kernel and this grid's launch. -> stages issued."""
-    SG: gl.constexpr = w_desc.block_type.shape[0]
-    first = gl.minimum(n_s, full.type.shape[0])
-    for j in range(first):
-        _issue_weights(w_desc, sz_desc, full, w_smem, sz_smem, n0, j, g0 + j * SG, nbytes)
+    earlier kernel, so their DRAM latency overlaps the previous kernel and this grid's launch. -> groups issued."""
+    first = gl.minimum(n_g, w_smem.type.shape[0])
+    for g in range(first):
+        _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
     if pdl:
         _gdc_wait()
     return first
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_s, pdl):
-    """One warp: each stage's copies (SG groups) once the consumers released the stage's previous use; x and X
-    (the prep kernel's output) only after `_first_ring`'s wait. In one launch (x_desc None) the weights and
+def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl):
+    """One warp: each group's copies into its stage once the consumers released the stage's previous group; x
+    and X (the prep kernel's output) only after `_first_ring`'s wait. In one launch (x_desc None) the weights and
     scale/zero only: x is `_stager`'s, and the weights depend on no earlier kernel, so `pdl` is False there.
     (Worker partitions take no constexpr arguments: the sizes come from the descriptors and buffers.)"""
-    STAGES: gl.constexpr = full.type.shape[0]
-    SG: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = w_smem.type.shape[0]
     nbytes: gl.constexpr = (w_desc.block_type.nbytes + sz_desc.block_type.nbytes
-                            + (SG * (x_desc.block_type.nbytes + xs_desc.block_type.nbytes) if x_desc is not None else 0))
-    first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_s, nbytes, pdl)
+                            + (x_desc.block_type.nbytes + xs_desc.block_type.nbytes if x_desc is not None else 0))
+    first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
     if x_desc is not None:
-        for j in range(first):
-            _issue_x(x_desc, xs_desc, full, x_smem, xs_smem, j, g0 + j * SG)
-    for j in range(first, n_s):
-        st = j % STAGES
-        mbarrier.wait(empty.index(st), ((j // STAGES) - 1) & 1)
-        _issue_weights(w_desc, sz_desc, full, w_smem, sz_smem, n0, st, g0 + j * SG, nbytes)
+        for g in range(first):
+            _issue_x(x_desc, xs_desc, full.index(g), x_smem.index(g), xs_smem.index(g), g0 + g)
+    for g in range(first, n_g):
+        st = g % STAGES
+        mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
+        _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
         if x_desc is not None:
-            _issue_x(x_desc, xs_desc, full, x_smem, xs_smem, st, g0 + j * SG)
+            _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
 
 
 @constexpr_function
@@ -210,10 +192,10 @@ def _copy_x(xw_ptr, stride_xw, M, g, ok, stage):
 
 
 @gluon.jit
-def _stage_x(xw, x_s, xs_s):
+def _stage_x(xw, bar, x_s, xs_s):
     """What the prep kernel writes, for one group and this program: x in the fragment's k order into the stage
     and its sums X, for the ROWS rows of xw (the stage's other rows repeat them: only output rows < M are
-    stored); the stager then fences and arrives. Natural k =
+    stored), then the stage's second arrival (the first is the weights' expect). Natural k =
     32 t + 8 v + 4 half + s goes to ((v * 4 + s) * 4 + t) * 2 + half: in words (bf16 pairs), natural word
     16 t + 4 v + 2 half + s // 2 holds s and s + 1, and the pair (half 0, half 1) of each s is one word of the
     result, at (v * 4 + s) * 4 + t."""
@@ -233,6 +215,8 @@ def _stage_x(xw, x_s, xs_s):
     for i in gl.static_range(BLOCK_M.bit_length() - ROWS.bit_length()):  # rows >= ROWS repeat the first ROWS
         xp = gl.reshape(gl.permute(gl.join(xp, xp), [2, 0, 1]), [xp.shape[0] * 2, GROUP // 2])
     x_s._reinterpret(gl.int32, [BLOCK_M, GROUP // 2], words).store(xp)
+    fence_async_shared()  # the generic-proxy writes above before the tensor core's (async-proxy) reads
+    mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
@@ -242,63 +226,28 @@ def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g
     `_producer`, so its per-group chain (copy wait, two warp barriers, the permutation, the fence, the
     arrive) no longer delays the weights' copies (bench/NOTES.md item 28); it takes one of the three warps Gluon
     pads the producer's warp group with, so a program is still 8 warps."""
-    STAGES: gl.constexpr = full.type.shape[0]
-    SG: gl.constexpr = x_smem.type.shape[0] // STAGES
+    STAGES: gl.constexpr = x_smem.type.shape[0]
     DEPTH: gl.constexpr = staging.type.shape[0] - 1
     layout: gl.constexpr = _x_words(staging.type.shape[2])
     if pdl:
         _gdc_wait()  # x is the previous kernel's output
-    for d in gl.static_range(DEPTH):
-        _copy_x(xw_ptr, stride_xw, M, g0 + d, d < n_g, staging.index(d))
-    for j in range(n_g // SG):
-        st = j % STAGES
-        for i in gl.static_range(SG):
-            g = j * SG + i
-            _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH, g + DEPTH < n_g, staging.index((g + DEPTH) % (DEPTH + 1)))
-            async_copy.wait_group(DEPTH)
-            gl.thread_barrier()  # every lane's copy of group g has landed
-            xw = staging.index(g % (DEPTH + 1)).load(layout)
-            gl.thread_barrier()  # every lane has read it before its buffer is refilled
-            if i == 0 and j >= STAGES:
-                mbarrier.wait(empty.index(st), ((j // STAGES) - 1) & 1)
-            _stage_x(xw, x_smem.index(st * SG + i), xs_smem.index(st * SG + i))
-        fence_async_shared()  # the generic-proxy writes above before the tensor core's (async-proxy) reads
-        mbarrier.arrive(full.index(st), count=1)  # the stage's second arrival (the first is the weights' expect)
-
-
-@gluon.jit
-def _stager_nofence(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, pdl):
-    """One warp, one launch, no prep kernel: x by cp.async into a staging ring DEPTH groups ahead, then, once the
-    consumers released the stage, permuted from there into it with its sums (`_stage_x`). A warp of its own, beside
-    `_producer`, so its per-group chain (copy wait, two warp barriers, the permutation, the fence, the
-    arrive) no longer delays the weights' copies (bench/NOTES.md item 28); it takes one of the three warps Gluon
-    pads the producer's warp group with, so a program is still 8 warps."""
-    STAGES: gl.constexpr = full.type.shape[0]
-    SG: gl.constexpr = x_smem.type.shape[0] // STAGES
-    DEPTH: gl.constexpr = staging.type.shape[0] - 1
-    layout: gl.constexpr = _x_words(staging.type.shape[2])
-    if pdl:
-        _gdc_wait()  # x is the previous kernel's output
-    for d in gl.static_range(DEPTH):
-        _copy_x(xw_ptr, stride_xw, M, g0 + d, d < n_g, staging.index(d))
-    for j in range(n_g // SG):
-        st = j % STAGES
-        for i in gl.static_range(SG):
-            g = j * SG + i
-            _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH, g + DEPTH < n_g, staging.index((g + DEPTH) % (DEPTH + 1)))
-            async_copy.wait_group(DEPTH)
-            gl.thread_barrier()  # every lane's copy of group g has landed
-            xw = staging.index(g % (DEPTH + 1)).load(layout)
-            gl.thread_barrier()  # every lane has read it before its buffer is refilled
-            if i == 0 and j >= STAGES:
-                mbarrier.wait(empty.index(st), ((j // STAGES) - 1) & 1)
-            _stage_x(xw, x_smem.index(st * SG + i), xs_smem.index(st * SG + i))
-        mbarrier.arrive(full.index(st), count=1)  # the stage's second arrival (the first is the weights' expect)
+    for g in gl.static_range(DEPTH):
+        _copy_x(xw_ptr, stride_xw, M, g0 + g, g < n_g, staging.index(g))
+    for g in range(n_g):
+        st = g % STAGES
+        _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH, g + DEPTH < n_g, staging.index((g + DEPTH) % (DEPTH + 1)))
+        async_copy.wait_group(DEPTH)
+        gl.thread_barrier()  # every lane's copy of group g has landed
+        xw = staging.index(g % (DEPTH + 1)).load(layout)
+        gl.thread_barrier()  # every lane has read it before its buffer is refilled
+        if g >= STAGES:
+            mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
+        _stage_x(xw, full.index(st), x_smem.index(st), xs_smem.index(st))
 
 
 @gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              SG: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STREAM: gl.constexpr):
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
     """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
     W: gl.constexpr = GROUP // 8
     # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
@@ -311,25 +260,19 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    for j in range(n_g // SG):
-        st = j % STAGES
-        mbarrier.wait(full.index(st), (j // STAGES) & 1)
-        if STREAM:
-            mbarrier.arrive(empty.index(st), count=1)
-        for i in gl.static_range(SG if not STREAM else 0):
-            sl = st * SG + i
-            w = _a_operand(w_smem.index(sl).load(words), BLOCK_N, GROUP, a_l)
-            sz = sz_smem.index(sl).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
-            x_sum = xs_smem.index(sl).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
-            s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
-            zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
-            part = warpgroup_mma(w, x_smem.index(sl).permute((1, 0)), zero, use_acc=False, is_async=True)
-            part, w = warpgroup_mma_wait(0, deps=(part, w))
-            if i == SG - 1:
-                # the stage's last product is complete, so every warp has issued every product of the stage
-                # and every warp's reads of it are done
-                mbarrier.arrive(empty.index(st), count=1)
-            acc = acc + s[:, None] * (part - zx)
+    for g in range(n_g):
+        st = g % STAGES
+        mbarrier.wait(full.index(st), (g // STAGES) & 1)
+        w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
+        sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
+        x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
+        s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
+        zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
+        part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+        part, w = warpgroup_mma_wait(0, deps=(part, w))
+        # the product is complete, so every warp has issued it and every warp's reads of the stage are done
+        mbarrier.arrive(empty.index(st), count=1)
+        acc = acc + s[:, None] * (part - zx)
     return (acc,)  # (a partition returns a tuple)
 
 
@@ -337,8 +280,7 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr, SG: gl.constexpr,
-                    STREAM: gl.constexpr):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
     None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
@@ -353,34 +295,29 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
     g0 = pid_k * n_g
 
-    w_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=w_desc.layout.swizzle_byte_width, element_bitwidth=32,
-                                             rank=2)
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SG, BLOCK_N, W], w_l)  # a slot per group
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * SG, BLOCK_M, GROUP], X_LAYOUT)
-    sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SG, 1, BLOCK_N], sz_desc.layout)
-    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES * SG, 1, XS_WIDTH], sz_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], X_LAYOUT)
+    sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], sz_desc.layout)
+    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, XS_WIDTH], sz_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 or (STREAM >= 2 and STREAM <= 4) or STREAM == 6 else 2)  # (+ the stager's store of x)
+        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 else 2)  # (+ the stager's store of x)
         mbarrier.init(empty.index(i), count=1)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, SG, BLOCK_N, BLOCK_M,
-                         STREAM > 0 and STREAM < 5)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
-                         n_g // SG, PDL)),
+                         n_g, PDL)),
         ], [1], [REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, ROWS, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, SG, BLOCK_N, BLOCK_M,
-                         STREAM > 0 and STREAM < 5)),
-            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
-                         n_g // SG if STREAM < 3 or STREAM >= 5 else 0, False)),
-            (_stager if STREAM < 4 or STREAM == 6 else _stager_nofence,
-             (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g if STREAM != 2 and STREAM != 6 else 0, PDL)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
+                         False)),
+            (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, PDL)),
         ], [1, 1], [REGS, REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
@@ -450,7 +387,7 @@ def usable(x: torch.Tensor) -> bool:
 @functools.cache
 def _shared_layouts(block_m: int) -> tuple:
     """(weights, x, one-row words) shared-memory layouts of the TMA boxes."""
-    return (gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, GROUP // 8], gl.int32),
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP // 8], gl.int32),
             gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.bfloat16),
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
@@ -468,7 +405,6 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         raise ValueError(f"int4_gluon: M={M} (<= 16), K={K} (split {split} into whole groups of {GROUP}) and "
                          f"N={N} (a multiple of {BLOCK_N}) do not fit")
     block_m = 8 if M <= 8 else 16
-    sg = STAGE_GROUPS if n_g % STAGE_GROUPS == 0 else 1
     one_launch = bool(rest) and M <= min(rest[0], 8) and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -477,10 +413,8 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     trigger = pdl and triggers(N, split, x.device)  # the overlap mode (module docstring)
     follows = pdl and last_launch_triggers(x.device)  # the call's first kernel launched as a dependent
     w_layout, x_layout, words = _shared_layouts(block_m)
-    w_words = packed.view(torch.int32)  # [N, K/8] -> [K/g, N, g/8]: a stage's groups in one box, a group a slab
-    w_desc = TensorDescriptor(w_words, [K // GROUP, N, GROUP // 8], [GROUP // 8, w_words.stride(0), 1],
-                              [sg, BLOCK_N, GROUP // 8], w_layout)
-    sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [sg, BLOCK_N], words)
+    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
+    sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
     if one_launch:
         x_desc = xs_desc = None
         xw = x.view(torch.int32)
@@ -497,7 +431,6 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,
                                            TRIGGER=trigger, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
-                                           SG=sg, STREAM=DIAG_STREAM, num_warps=4, maxnreg=regs,
-                                           launch_pdl=follows if one_launch else pdl)
+                                           num_warps=4, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
     note_launch(x.device, trigger)
     return y
