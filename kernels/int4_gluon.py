@@ -86,7 +86,6 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 4096): (8, 2, 64, 8), (4096, 1024): (8, 4, 64, 8), (4096, 6144): (4, 2, 64, 8),  # 2 stages: item 23
 }
 X_DEPTH = 2  # groups of x the stager copies ahead (1 and 2 level in calls 101 and 104)
-X_RING_STAGES = 8  # x slots of the stager's own ring in one launch (bench/NOTES.md item 29)
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
@@ -196,7 +195,7 @@ def _copy_x(xw_ptr, stride_xw, M, g, ok, stage):
 def _stage_x(xw, bar, x_s, xs_s):
     """What the prep kernel writes, for one group and this program: x in the fragment's k order into the stage
     and its sums X, for the ROWS rows of xw (the stage's other rows repeat them: only output rows < M are
-    stored), then the x slot's arrival. Natural k =
+    stored), then the stage's second arrival (the first is the weights' expect). Natural k =
     32 t + 8 v + 4 half + s goes to ((v * 4 + s) * 4 + t) * 2 + half: in words (bf16 pairs), natural word
     16 t + 4 v + 2 half + s // 2 holds s and s + 1, and the pair (half 0, half 1) of each s is one word of the
     result, at (v * 4 + s) * 4 + t."""
@@ -221,13 +220,13 @@ def _stage_x(xw, bar, x_s, xs_s):
 
 
 @gluon.jit
-def _stager(xw_ptr, stride_xw, M, xfull, xempty, x_smem, xs_smem, staging, g0, n_g, pdl):
+def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, pdl):
     """One warp, one launch, no prep kernel: x by cp.async into a staging ring DEPTH groups ahead, then, once the
     consumers released the stage, permuted from there into it with its sums (`_stage_x`). A warp of its own, beside
     `_producer`, so its per-group chain (copy wait, two warp barriers, the permutation, the fence, the
     arrive) no longer delays the weights' copies (bench/NOTES.md item 28); it takes one of the three warps Gluon
     pads the producer's warp group with, so a program is still 8 warps."""
-    X_STAGES: gl.constexpr = x_smem.type.shape[0]
+    STAGES: gl.constexpr = x_smem.type.shape[0]
     DEPTH: gl.constexpr = staging.type.shape[0] - 1
     layout: gl.constexpr = _x_words(staging.type.shape[2])
     if pdl:
@@ -235,23 +234,21 @@ def _stager(xw_ptr, stride_xw, M, xfull, xempty, x_smem, xs_smem, staging, g0, n
     for g in gl.static_range(DEPTH):
         _copy_x(xw_ptr, stride_xw, M, g0 + g, g < n_g, staging.index(g))
     for g in range(n_g):
-        xt = g % X_STAGES
+        st = g % STAGES
         _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH, g + DEPTH < n_g, staging.index((g + DEPTH) % (DEPTH + 1)))
         async_copy.wait_group(DEPTH)
         gl.thread_barrier()  # every lane's copy of group g has landed
         xw = staging.index(g % (DEPTH + 1)).load(layout)
         gl.thread_barrier()  # every lane has read it before its buffer is refilled
-        if g >= X_STAGES:
-            mbarrier.wait(xempty.index(xt), ((g // X_STAGES) - 1) & 1)
-        _stage_x(xw, xfull.index(xt), x_smem.index(xt), xs_smem.index(xt))
+        if g >= STAGES:
+            mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
+        _stage_x(xw, full.index(st), x_smem.index(st), xs_smem.index(st))
 
 
 @gluon.jit
-def _consumer(full, empty, xfull, xempty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr,
-              STAGES: gl.constexpr, X_RING: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-    """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X).
-    X_RING: x and X in a ring of their own (the stager's; xfull / xempty), else in the weights' stage."""
-    X_STAGES: gl.constexpr = x_smem.type.shape[0]
+def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
     W: gl.constexpr = GROUP // 8
     # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
     # pairs of its wgmma A fragment once unpacked and permuted (see _a_operand)
@@ -265,21 +262,16 @@ def _consumer(full, empty, xfull, xempty, w_smem, x_smem, sz_smem, xs_smem, n_g,
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     for g in range(n_g):
         st = g % STAGES
-        xt = g % X_STAGES
         mbarrier.wait(full.index(st), (g // STAGES) & 1)
-        if X_RING:
-            mbarrier.wait(xfull.index(xt), (g // X_STAGES) & 1)
         w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
         sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
-        x_sum = xs_smem.index(xt).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
+        x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
         s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
         zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
-        part = warpgroup_mma(w, x_smem.index(xt).permute((1, 0)), zero, use_acc=False, is_async=True)
+        part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
         part, w = warpgroup_mma_wait(0, deps=(part, w))
         # the product is complete, so every warp has issued it and every warp's reads of the stage are done
         mbarrier.arrive(empty.index(st), count=1)
-        if X_RING:
-            mbarrier.arrive(xempty.index(xt), count=1)
         acc = acc + s[:, None] * (part - zx)
     return (acc,)  # (a partition returns a tuple)
 
@@ -288,7 +280,7 @@ def _consumer(full, empty, xfull, xempty, w_smem, x_smem, sz_smem, xs_smem, n_g,
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr, X_RING_STAGES: gl.constexpr):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
     None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
@@ -303,41 +295,30 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
     g0 = pid_k * n_g
 
-    X_STAGES: gl.constexpr = STAGES if X_DEPTH == 0 else X_RING_STAGES  # x in the weights' stages, or a ring
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [X_STAGES, BLOCK_M, GROUP], X_LAYOUT)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], X_LAYOUT)
     sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], sz_desc.layout)
-    xs_smem = gl.allocate_shared_memory(gl.float32, [X_STAGES, 1, XS_WIDTH], sz_desc.layout)
+    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, XS_WIDTH], sz_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 else 2)  # (+ the stager's store of x)
         mbarrier.init(empty.index(i), count=1)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, False,
-                         BLOCK_N, BLOCK_M)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
                          n_g, PDL)),
         ], [1], [REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, ROWS, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
-        xfull = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())
-        xempty = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(X_STAGES):
-            mbarrier.init(xfull.index(i), count=1)
-            mbarrier.init(xempty.index(i), count=1)
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, xfull, xempty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, True,
-                         BLOCK_N, BLOCK_M)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
                          False)),
-            (_stager, (xw_ptr, stride_xw, M, xfull, xempty, x_smem, xs_smem, staging, g0, n_g, PDL)),
+            (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, PDL)),
         ], [1, 1], [REGS, REGS])
-        for i in gl.static_range(X_STAGES):
-            mbarrier.invalidate(xfull.index(i))
-            mbarrier.invalidate(xempty.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -450,7 +431,6 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,
                                            TRIGGER=trigger, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
-                                           X_RING_STAGES=X_RING_STAGES,
                                            num_warps=4, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
     note_launch(x.device, trigger)
     return y
