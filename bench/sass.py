@@ -6,7 +6,7 @@ instruction mix inside the hot loop, so block shapes can be judged before spendi
 
     python -m bench.sass int4 BLOCK_N BLOCK_K GROUP SPLIT warps stages
     python -m bench.sass sdpa BLOCK_R BLOCK_N warps stages
-    python -m bench.sass gluon BLOCK_M SPLIT stages regs [x_depth [trigger [rows [x_slots]]]]    # kernels/int4_gluon.py
+    python -m bench.sass gluon BLOCK_M SPLIT stages regs [x_depth [trigger [rows]]]    # kernels/int4_gluon.py
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def int4(block_n, block_k, group, split, warps, stages):
     return compile_sm90(_int4_mm_kernel.get(), sig, const, warps, stages, aligned)
 
 
-def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, rows=0, x_slots=0):
+def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, rows=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels import int4_gluon as g
@@ -79,8 +79,7 @@ def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, rows=0, x_slots=0)
                xw_ptr="*i32" if x_depth else "constexpr", y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
                N="i32", K="i32", stride_xw="i32", stride_ym="i32")
     const = dict(GROUP=g.GROUP, BLOCK_N=g.BLOCK_N, BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=True,
-                 X_LAYOUT=x_l, X_DEPTH=x_depth, TRIGGER=bool(trigger), ROWS=rows or block_m,
-                 X_SLOTS=x_slots)
+                 X_LAYOUT=x_l, X_DEPTH=x_depth, TRIGGER=bool(trigger), ROWS=rows or block_m)
     const.update({k: None for k in ("x_desc", "xs_desc", "xw_ptr") if sig[k] == "constexpr"})
     sig.update({k: "constexpr" for k in const})
     names = list(sig)

@@ -86,7 +86,6 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 4096): (8, 2, 64, 8), (4096, 1024): (8, 4, 64, 8), (4096, 6144): (4, 2, 64, 8),  # 2 stages: item 23
 }
 X_DEPTH = 2  # groups of x the stager copies ahead (1 and 2 level in calls 101 and 104)
-X_ONCE_GROUPS = 16  # in one launch, slices of up to this many groups get a slot of x each (X_SLOTS)
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
 TRIGGER_PER_SM = 3
@@ -247,11 +246,9 @@ def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g
 
 
 @gluon.jit
-def _consumer(full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              X_ONCE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-    """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X).
-    X_ONCE: x and X of group g in slot g of their own (never reused, so waited for on x_full and never released),
-    else in the weights' stage."""
+def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
     W: gl.constexpr = GROUP // 8
     # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
     # pairs of its wgmma A fragment once unpacked and permuted (see _a_operand)
@@ -265,16 +262,13 @@ def _consumer(full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP:
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     for g in range(n_g):
         st = g % STAGES
-        xt = g if X_ONCE else st
         mbarrier.wait(full.index(st), (g // STAGES) & 1)
-        if X_ONCE:
-            mbarrier.wait(x_full.index(xt), 0)
         w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
         sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
-        x_sum = xs_smem.index(xt).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
+        x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
         s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
         zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
-        part = warpgroup_mma(w, x_smem.index(xt).permute((1, 0)), zero, use_acc=False, is_async=True)
+        part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
         part, w = warpgroup_mma_wait(0, deps=(part, w))
         # the product is complete, so every warp has issued it and every warp's reads of the stage are done
         mbarrier.arrive(empty.index(st), count=1)
@@ -286,7 +280,7 @@ def _consumer(full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP:
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr, X_SLOTS: gl.constexpr):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
     None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
@@ -301,42 +295,30 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
     g0 = pid_k * n_g
 
-    X_ONCE: gl.constexpr = X_SLOTS > 0  # (one launch only)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [X_SLOTS if X_ONCE else STAGES, BLOCK_M, GROUP], X_LAYOUT)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], X_LAYOUT)
     sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], sz_desc.layout)
-    xs_smem = gl.allocate_shared_memory(gl.float32, [X_SLOTS if X_ONCE else STAGES, 1, XS_WIDTH], sz_desc.layout)
+    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, XS_WIDTH], sz_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        # (+ the stager's store of x when it shares the stage)
-        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 or X_ONCE else 2)
+        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 else 2)  # (+ the stager's store of x)
         mbarrier.init(empty.index(i), count=1)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, False, BLOCK_N,
-                         BLOCK_M)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
                          n_g, PDL)),
         ], [1], [REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, ROWS, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
-        # X_ONCE: x's own slots, one barrier each; the stager then never waits for a release (its slot index g never
-        # reaches the slot count), so it runs ahead at its own pace while the weights stream
-        x_full = gl.allocate_shared_memory(gl.int64, [X_SLOTS if X_ONCE else 1, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(X_SLOTS if X_ONCE else 0):
-            mbarrier.init(x_full.index(i), count=1)
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, X_ONCE, BLOCK_N,
-                         BLOCK_M)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
                          False)),
-            (_stager, (xw_ptr, stride_xw, M, x_full if X_ONCE else full, empty, x_smem, xs_smem, staging, g0, n_g,
-                       PDL)),
+            (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, PDL)),
         ], [1, 1], [REGS, REGS])
-        for i in gl.static_range(X_SLOTS if X_ONCE else 0):
-            mbarrier.invalidate(x_full.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -449,7 +431,6 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,
                                            TRIGGER=trigger, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
-                                           X_SLOTS=n_g if one_launch and n_g <= X_ONCE_GROUPS else 0,
                                            num_warps=4, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
     note_launch(x.device, trigger)
     return y
