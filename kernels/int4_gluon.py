@@ -40,7 +40,9 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
   8192x28672 from M = 2): the stager's permutation and sums of up to 8 rows per group then likely compete with
   the consumer warps for issue slots (two stager warps taking alternate groups were no faster than one).
   Only the first ROWS = next power of 2 >= M rows are copied and permuted: the stage's other rows repeat them,
-  and their products land in output rows >= M, which are never stored (item 27: the same bits).
+  and their products land in output rows >= M, which are never stored (item 27: the same bits). x shares the
+  weights' stage (one barrier pair a group): a ring of x of its own, or a slot of x per group, costs the consumers
+  one more barrier wait a group and was slower on every shape (item 29, which also prices the parts apart).
 Each group's product is waited for before the next is issued: keeping it in flight (two alternating
 accumulators, `warpgroup_mma_wait(1)`) compiles, but ptxas then serialises every wgmma (C7514).
 
