@@ -1,0 +1,71 @@
+"""Temporary diagnostic (thirteenth session): does releasing the weights' stage before the product (once its words,
+scale/zero and sums are in registers) bring the ring and the consumers to the ring alone? Interleaved in three
+rounds, back to back, us, one launch at every M: `ours` (the shipped kernel), from bench/_gluon_diag.py `ring`
+(MODE 1: the consumers release each stage unread, the stager idle), `no x` (MODE 6: the consumers work on whatever x
+the stage holds, no wait for x; wrong values), `no x, early` (and the release before the product), and where a slice
+has <= 16 groups `x once` (a slot of x per group, call 122) and `x once, early` (bitwise equal to ours).
+
+    python3 -m bench.diag_early $OUT/diag_early.json
+"""
+
+import json
+import sys
+
+import torch
+
+from bench import _gluon_diag as diag
+from bench import kernels as B
+from kernels import int4_gluon
+
+SHAPES = [(4096, 14336), (14336, 4096), (21504, 5376), (5376, 21504), (4096, 4096)]
+
+
+def variant(config, mode=0, early=False, once=0):
+    def f(x, p, s):
+        diag.MODE, diag.EARLY, diag.X_ONCE_GROUPS = mode, early, once
+        try:
+            return diag.launch(x, p, s, config)
+        finally:
+            diag.MODE, diag.EARLY, diag.X_ONCE_GROUPS = 0, False, 0
+    return f
+
+
+def main():
+    out, res = sys.argv[1], {}
+    torch.manual_seed(0)
+    for K, N in SHAPES:
+        config = (*int4_gluon.CONFIGS[(K, N)][:3], 8)
+        n_g = K // 128 // config[0]
+        copies = B.copies_for(N * K / 2)
+        ops = B.gemm_operands(K, N, 128, copies)
+        for M in (1, 8):
+            xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+            fns = {"ours": lambda x, p, s: int4_gluon.launch(x, p, s, config),
+                   "ring": variant(config, mode=1), "no x": variant(config, mode=6),
+                   "no x, early": variant(config, mode=6, early=True)}
+            if n_g <= 16:
+                fns["x once"] = variant(config, once=16)
+                fns["x once, early"] = variant(config, early=True, once=16)
+            y0 = {name: f(xs[0], *ops[0]) for name, f in fns.items()}
+            torch.cuda.synchronize()
+            for name in ("x once", "x once, early"):
+                if name in y0:
+                    assert torch.equal(y0["ours"], y0[name]), (K, N, M, name)
+            t = {}
+            for rnd in range(3):
+                for name, f in fns.items():
+                    t.setdefault(name, []).append(B.time_calls([lambda i=i: f(xs[i], *ops[i]) for i in range(copies)]))
+            res[f"{K}x{N} M={M}"] = t
+            B.log(f"{K}x{N} M={M}: " + "  ".join(f"{k} {sorted(v)[1]:.2f}" for k, v in t.items()))
+        del ops
+        torch.cuda.empty_cache()
+        json.dump(res, open(out, "w"), indent=1)
+    names = ["ours", "ring", "no x", "no x, early", "x once", "x once, early"]
+    print("\n| K x N | M | " + " | ".join(names) + " |")
+    for key, t in res.items():
+        shape, m = key.split(" ")
+        print(f"| {shape} | {m[2:]} | " + " | ".join(f"{sorted(t[n])[1]:.2f}" if n in t else "" for n in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
