@@ -87,7 +87,8 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
 }
 X_DEPTH = 2  # groups of x the stager copies ahead (1 and 2 level in calls 101 and 104)
 X_ONCE_GROUPS = 0  # in one launch, slices of up to this many groups get a slot of x each (X_SLOTS)
-MODE = 0  # 0 the kernel; 1 ring only (stager idle, consumers release unread); 6 no x (stager idle, consumers work)
+MODE = 0  # 0 the kernel; 1 ring only (stager idle, consumers release unread); 6 no x (stager idle, consumers work);
+# 7 as 6, but the stager waits for the previous kernel and the consumers wait for that once, before their loop
 EARLY = False  # the consumers release the weights' stage once its words are in registers, before the product
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
@@ -249,6 +250,14 @@ def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g
 
 
 @gluon.jit
+def _stager_wait(x_full, pdl):
+    """MODE 7: the previous kernel waited for, then one arrival the consumers wait for before their loop."""
+    if pdl:
+        _gdc_wait()
+    mbarrier.arrive(x_full.index(0), count=1)
+
+
+@gluon.jit
 def _stager_idle(xw_ptr, pdl):
     """MODE != 0: stages nothing (no wait for x at all)."""
     if pdl:
@@ -273,6 +282,8 @@ def _consumer(full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP:
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+    if MODE == 7:
+        mbarrier.wait(x_full.index(0), 0)
     for g in range(n_g):
         st = g % STAGES
         xt = g if X_ONCE else st
@@ -341,9 +352,17 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         # X_ONCE: x's own slots, one barrier each; the stager then never waits for a release (its slot index g never
         # reaches the slot count), so it runs ahead at its own pace while the weights stream
         x_full = gl.allocate_shared_memory(gl.int64, [X_SLOTS if X_ONCE else 1, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(X_SLOTS if X_ONCE else 0):
+        for i in gl.static_range(X_SLOTS if X_ONCE else (1 if MODE == 7 else 0)):
             mbarrier.init(x_full.index(i), count=1)
-        if MODE == 0:
+        if MODE == 7:
+            acc, = gl.warp_specialize([
+                (_consumer, (full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, X_ONCE, BLOCK_N,
+                             BLOCK_M, MODE, EARLY)),
+                (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
+                             False)),
+                (_stager_wait, (x_full, PDL)),
+            ], [1, 1], [REGS, REGS])
+        elif MODE == 0:
             acc, = gl.warp_specialize([
                 (_consumer, (full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, X_ONCE, BLOCK_N,
                              BLOCK_M, MODE, EARLY)),
@@ -360,7 +379,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
                              False)),
                 (_stager_idle, (xw_ptr, PDL)),
             ], [1, 1], [REGS, REGS])
-        for i in gl.static_range(X_SLOTS if X_ONCE else 0):
+        for i in gl.static_range(X_SLOTS if X_ONCE else (1 if MODE == 7 else 0)):
             mbarrier.invalidate(x_full.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(i))

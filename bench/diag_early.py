@@ -2,8 +2,8 @@
 scale/zero and sums are in registers) bring the ring and the consumers to the ring alone? Interleaved in three
 rounds, back to back, us, one launch at every M: `ours` (the shipped kernel), from bench/_gluon_diag.py `ring`
 (MODE 1: the consumers release each stage unread, the stager idle), `no x` (MODE 6: the consumers work on whatever x
-the stage holds, no wait for x; wrong values), `no x, early` (and the release before the product), and where a slice
-has <= 16 groups `x once` (a slot of x per group, call 122) and `x once, early` (bitwise equal to ours).
+the stage holds, no wait for x; wrong values), `no x, early` (and the release before the product; call 123) and `no x,
+waited` (MODE 7: as `no x`, but the consumers wait once, before their loop, for the previous kernel; call 124).
 
     python3 -m bench.diag_early $OUT/diag_early.json
 """
@@ -43,9 +43,7 @@ def main():
             fns = {"ours": lambda x, p, s: int4_gluon.launch(x, p, s, config),
                    "ring": variant(config, mode=1), "no x": variant(config, mode=6),
                    "no x, early": variant(config, mode=6, early=True)}
-            if n_g <= 16:
-                fns["x once"] = variant(config, once=16)
-                fns["x once, early"] = variant(config, early=True, once=16)
+            fns["no x, waited"] = variant(config, mode=7)
             y0 = {name: f(xs[0], *ops[0]) for name, f in fns.items()}
             torch.cuda.synchronize()
             for name in ("x once", "x once, early"):
@@ -60,7 +58,7 @@ def main():
         del ops
         torch.cuda.empty_cache()
         json.dump(res, open(out, "w"), indent=1)
-    names = ["ours", "ring", "no x", "no x, early", "x once", "x once, early"]
+    names = ["ours", "ring", "no x", "no x, early", "no x, waited"]
     print("\n| K x N | M | " + " | ".join(names) + " |")
     for key, t in res.items():
         shape, m = key.split(" ")
