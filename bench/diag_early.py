@@ -3,7 +3,8 @@ scale/zero and sums are in registers) bring the ring and the consumers to the ri
 rounds, back to back, us, one launch at every M: `ours` (the shipped kernel), from bench/_gluon_diag.py `ring`
 (MODE 1: the consumers release each stage unread, the stager idle), `no x` (MODE 6: the consumers work on whatever x
 the stage holds, no wait for x; wrong values), `no x, early` (and the release before the product; call 123) and `no x,
-waited` (MODE 7: as `no x`, but the consumers wait once, before their loop, for the previous kernel; call 124).
+waited` (MODE 7: as `no x`, but the consumers wait once, before their loop, for the previous kernel; call 124), then
+(call 125) on grids of exactly 3 and 4 programs a SM beside 4096x14336's 3.4.
 
     python3 -m bench.diag_early $OUT/diag_early.json
 """
@@ -17,7 +18,8 @@ from bench import _gluon_diag as diag
 from bench import kernels as B
 from kernels import int4_gluon
 
-SHAPES = [(4096, 14336), (14336, 4096), (21504, 5376), (5376, 21504), (4096, 4096)]
+# (K, N, split): the shipped 4096x14336 (448 programs, 3.4 a SM) beside grids of exactly 3 and 4 programs a SM
+SHAPES = [(4096, 14336, 2), (4096, 12672, 2), (4096, 16896, 2), (4096, 8448, 4), (4096, 14336, 1)]
 
 
 def variant(config, mode=0, early=False, once=0):
@@ -33,16 +35,15 @@ def variant(config, mode=0, early=False, once=0):
 def main():
     out, res = sys.argv[1], {}
     torch.manual_seed(0)
-    for K, N in SHAPES:
-        config = (*int4_gluon.CONFIGS[(K, N)][:3], 8)
+    for K, N, split in SHAPES:
+        config = (split, 4, 64, 8)
         n_g = K // 128 // config[0]
         copies = B.copies_for(N * K / 2)
         ops = B.gemm_operands(K, N, 128, copies)
         for M in (1, 8):
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
             fns = {"ours": lambda x, p, s: int4_gluon.launch(x, p, s, config),
-                   "ring": variant(config, mode=1), "no x": variant(config, mode=6),
-                   "no x, early": variant(config, mode=6, early=True)}
+                   "ring": variant(config, mode=1), "no x": variant(config, mode=6)}
             fns["no x, waited"] = variant(config, mode=7)
             y0 = {name: f(xs[0], *ops[0]) for name, f in fns.items()}
             torch.cuda.synchronize()
@@ -53,12 +54,12 @@ def main():
             for rnd in range(3):
                 for name, f in fns.items():
                     t.setdefault(name, []).append(B.time_calls([lambda i=i: f(xs[i], *ops[i]) for i in range(copies)]))
-            res[f"{K}x{N} M={M}"] = t
-            B.log(f"{K}x{N} M={M}: " + "  ".join(f"{k} {sorted(v)[1]:.2f}" for k, v in t.items()))
+            res[f"{K}x{N}/{split} M={M}"] = t
+            B.log(f"{K}x{N}/{split} M={M}: " + "  ".join(f"{k} {sorted(v)[1]:.2f}" for k, v in t.items()))
         del ops
         torch.cuda.empty_cache()
         json.dump(res, open(out, "w"), indent=1)
-    names = ["ours", "ring", "no x", "no x, early", "no x, waited"]
+    names = ["ours", "ring", "no x", "no x, waited"]
     print("\n| K x N | M | " + " | ".join(names) + " |")
     for key, t in res.items():
         shape, m = key.split(" ")
