@@ -4,7 +4,9 @@ rounds, back to back, us, one launch at every M: `ours` (the shipped kernel), fr
 (MODE 1: the consumers release each stage unread, the stager idle), `no x` (MODE 6: the consumers work on whatever x
 the stage holds, no wait for x; wrong values), `no x, early` (and the release before the product; call 123) and `no x,
 waited` (MODE 7: as `no x`, but the consumers wait once, before their loop, for the previous kernel; call 124), then
-(call 125) on grids of exactly 3 and 4 programs a SM beside 4096x14336's 3.4.
+(call 125) on grids of exactly 3 and 4 programs a SM beside 4096x14336's 3.4, and (call 126) every grid in the overlap
+mode, on grids of 1.7 and 2 programs a SM, so that the next call's grid fits beside this one's (`ours` is then
+the diag copy of the kernel).
 
     python3 -m bench.diag_early $OUT/diag_early.json
 """
@@ -19,12 +21,13 @@ from bench import kernels as B
 from kernels import int4_gluon
 
 # (K, N, split): the shipped 4096x14336 (448 programs, 3.4 a SM) beside grids of exactly 3 and 4 programs a SM
-SHAPES = [(4096, 14336, 2), (4096, 12672, 2), (4096, 16896, 2), (4096, 8448, 4), (4096, 14336, 1)]
+SHAPES = [(4096, 14336, 2), (4096, 16896, 1), (4096, 8448, 2), (4096, 14336, 1), (4096, 16896, 2)]
+TRIGGER_PER_SM = 1  # call 126: every grid in the overlap mode, so the next call's grid can be resident alongside
 
 
 def variant(config, mode=0, early=False, once=0):
     def f(x, p, s):
-        diag.MODE, diag.EARLY, diag.X_ONCE_GROUPS = mode, early, once
+        diag.MODE, diag.EARLY, diag.X_ONCE_GROUPS, diag.TRIGGER_PER_SM = mode, early, once, TRIGGER_PER_SM
         try:
             return diag.launch(x, p, s, config)
         finally:
@@ -42,7 +45,7 @@ def main():
         ops = B.gemm_operands(K, N, 128, copies)
         for M in (1, 8):
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
-            fns = {"ours": lambda x, p, s: int4_gluon.launch(x, p, s, config),
+            fns = {"ours": variant(config),
                    "ring": variant(config, mode=1), "no x": variant(config, mode=6)}
             fns["no x, waited"] = variant(config, mode=7)
             y0 = {name: f(xs[0], *ops[0]) for name, f in fns.items()}
