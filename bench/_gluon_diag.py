@@ -89,6 +89,7 @@ X_DEPTH = 2  # groups of x the stager copies ahead (1 and 2 level in calls 101 a
 X_ONCE_GROUPS = 0  # in one launch, slices of up to this many groups get a slot of x each (X_SLOTS)
 MODE = 0  # 0 the kernel; 1 ring only (stager idle, consumers release unread); 6 no x (stager idle, consumers work);
 # 7 as 6, but the stager waits for the previous kernel and the consumers wait for that once, before their loop
+TRACE = None  # an int64 tensor [programs, 5]: entry, %smid, first group usable, loop end, exit (%globaltimer, ns)
 EARLY = False  # the consumers release the weights' stage once its words are in registers, before the product
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
@@ -250,6 +251,16 @@ def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g
 
 
 @gluon.jit
+def _now():
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _smid():
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _stager_wait(x_full, pdl):
     """MODE 7: the previous kernel waited for, then one arrival the consumers wait for before their loop."""
     if pdl:
@@ -267,7 +278,7 @@ def _stager_idle(xw_ptr, pdl):
 @gluon.jit
 def _consumer(full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
               X_ONCE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, MODE: gl.constexpr,
-              EARLY: gl.constexpr):
+              EARLY: gl.constexpr, tr, TR: gl.constexpr):
     """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X).
     X_ONCE: x and X of group g in slot g of their own (never reused, so waited for on x_full and never released),
     else in the weights' stage."""
@@ -288,6 +299,9 @@ def _consumer(full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP:
         st = g % STAGES
         xt = g if X_ONCE else st
         mbarrier.wait(full.index(st), (g // STAGES) & 1)
+        if TR:
+            if g == 0:
+                gl.store(tr + 2, _now())
         if MODE == 1:
             mbarrier.arrive(empty.index(st), count=1)
         else:
@@ -305,15 +319,18 @@ def _consumer(full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP:
             if not EARLY:
                 mbarrier.arrive(empty.index(st), count=1)
             acc = acc + s[:, None] * (part - zx)
+    if TR:
+        gl.store(tr + 3, _now())
     return (acc,)  # (a partition returns a tuple)
 
 
 @gluon.jit
-def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
+def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, tr_ptr, M, N, K, stride_xw,
+                    stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
                     X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr, X_SLOTS: gl.constexpr,
-                    MODE: gl.constexpr, EARLY: gl.constexpr):
+                    MODE: gl.constexpr, EARLY: gl.constexpr, TR: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
     None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
@@ -327,6 +344,10 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     n0 = pid_n * BLOCK_N
     n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
     g0 = pid_k * n_g
+    tr = tr_ptr + (pid_k * gl.num_programs(0) + pid_n) * 5
+    if TR:
+        gl.store(tr, _now())
+        gl.store(tr + 1, _smid().to(gl.int64))
 
     X_ONCE: gl.constexpr = X_SLOTS > 0  # (one launch only)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
@@ -342,7 +363,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, False, BLOCK_N,
-                         BLOCK_M, MODE, EARLY)),
+                         BLOCK_M, MODE, EARLY, tr, TR)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
                          n_g, PDL)),
         ], [1], [REGS])
@@ -357,7 +378,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         if MODE == 7:
             acc, = gl.warp_specialize([
                 (_consumer, (full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, X_ONCE, BLOCK_N,
-                             BLOCK_M, MODE, EARLY)),
+                             BLOCK_M, MODE, EARLY, tr, TR)),
                 (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
                              False)),
                 (_stager_wait, (x_full, PDL)),
@@ -365,7 +386,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         elif MODE == 0:
             acc, = gl.warp_specialize([
                 (_consumer, (full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, X_ONCE, BLOCK_N,
-                             BLOCK_M, MODE, EARLY)),
+                             BLOCK_M, MODE, EARLY, tr, TR)),
                 (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
                              False)),
                 (_stager, (xw_ptr, stride_xw, M, x_full if X_ONCE else full, empty, x_smem, xs_smem, staging, g0, n_g,
@@ -374,7 +395,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         else:
             acc, = gl.warp_specialize([
                 (_consumer, (full, empty, x_full, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, X_ONCE, BLOCK_N,
-                             BLOCK_M, MODE, EARLY)),
+                             BLOCK_M, MODE, EARLY, tr, TR)),
                 (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
                              False)),
                 (_stager_idle, (xw_ptr, PDL)),
@@ -403,6 +424,8 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
                                  other=0.0, cache_modifier=".cg")
             gl.store(y_ptrs, total.to(gl.bfloat16), mask=out_ok)
             gl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+    if TR:
+        gl.store(tr + 4, _now())
 
 
 # ----------------------------------------------------------------------------- launch
@@ -489,12 +512,12 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH.value], words)
         xw = None
     _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
-                                           M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
+                                           TRACE if TRACE is not None else ws, M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,
                                            TRIGGER=trigger, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
                                            X_SLOTS=n_g if one_launch and n_g <= X_ONCE_GROUPS else 0,
-                                           MODE=MODE if one_launch else 0, EARLY=EARLY,
+                                           MODE=MODE if one_launch else 0, EARLY=EARLY, TR=TRACE is not None,
                                            num_warps=4, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
     note_launch(x.device, trigger)
     return y
