@@ -90,6 +90,7 @@ X_ONCE_GROUPS = 0  # in one launch, slices of up to this many groups get a slot 
 MODE = 0  # 0 the kernel; 1 ring only (stager idle, consumers release unread); 6 no x (stager idle, consumers work);
 # 7 as 6, but the stager waits for the previous kernel and the consumers wait for that once, before their loop
 TRACE = None  # an int64 tensor [programs, 5]: entry, %smid, first group usable, loop end, exit (%globaltimer, ns)
+NOSUM = False  # every program stores its slice's product as y: no split-K sum (wrong values; its cost, call 129)
 EARLY = False  # the consumers release the weights' stage once its words are in registers, before the product
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
 # A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
@@ -330,7 +331,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
                     X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr, X_SLOTS: gl.constexpr,
-                    MODE: gl.constexpr, EARLY: gl.constexpr, TR: gl.constexpr):
+                    MODE: gl.constexpr, EARLY: gl.constexpr, TR: gl.constexpr, NOSUM: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
     None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
@@ -411,7 +412,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     out_ok = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    if SPLIT_K == 1:
+    if SPLIT_K == 1 or NOSUM:
         gl.store(y_ptrs, acc.to(gl.bfloat16), mask=out_ok)
     else:
         gl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_ok)
@@ -517,7 +518,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,
                                            TRIGGER=trigger, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
                                            X_SLOTS=n_g if one_launch and n_g <= X_ONCE_GROUPS else 0,
-                                           MODE=MODE if one_launch else 0, EARLY=EARLY, TR=TRACE is not None,
+                                           MODE=MODE if one_launch else 0, EARLY=EARLY, TR=TRACE is not None, NOSUM=NOSUM,
                                            num_warps=4, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
     note_launch(x.device, trigger)
     return y

@@ -6,7 +6,7 @@ the stage holds, no wait for x; wrong values), `no x, early` (and the release be
 waited` (MODE 7: as `no x`, but the consumers wait once, before their loop, for the previous kernel; call 124), then
 (call 125) on grids of exactly 3 and 4 programs a SM beside 4096x14336's 3.4, and (call 126) every grid in the overlap
 mode, on grids of 1.7 and 2 programs a SM, so that the next call's grid fits beside this one's (`ours` is then
-the diag copy of the kernel).
+the diag copy of the kernel); (call 129) `ours` and `no x, waited` with and without the split-K sum (NOSUM).
 
     python3 -m bench.diag_early $OUT/diag_early.json
 """
@@ -21,17 +21,18 @@ from bench import kernels as B
 from kernels import int4_gluon
 
 # (K, N, split): the shipped 4096x14336 (448 programs, 3.4 a SM) beside grids of exactly 3 and 4 programs a SM
-SHAPES = [(4096, 14336, 2), (4096, 16896, 1), (4096, 8448, 2), (4096, 14336, 1), (4096, 16896, 2)]
-TRIGGER_PER_SM = 1  # call 126: every grid in the overlap mode, so the next call's grid can be resident alongside
+SHAPES = [(4096, 14336, 2), (14336, 4096, 8), (21504, 5376, 6), (4096, 4096, 8)]
+TRIGGER_PER_SM = 3  # call 126: 1, every grid in the overlap mode, so the next call's grid can be resident alongside
 
 
-def variant(config, mode=0, early=False, once=0):
+def variant(config, mode=0, early=False, once=0, nosum=False):
     def f(x, p, s):
         diag.MODE, diag.EARLY, diag.X_ONCE_GROUPS, diag.TRIGGER_PER_SM = mode, early, once, TRIGGER_PER_SM
+        diag.NOSUM = nosum
         try:
             return diag.launch(x, p, s, config)
         finally:
-            diag.MODE, diag.EARLY, diag.X_ONCE_GROUPS = 0, False, 0
+            diag.MODE, diag.EARLY, diag.X_ONCE_GROUPS, diag.NOSUM = 0, False, 0, False
     return f
 
 
@@ -39,15 +40,14 @@ def main():
     out, res = sys.argv[1], {}
     torch.manual_seed(0)
     for K, N, split in SHAPES:
-        config = (split, 4, 64, 8)
+        config = (split, int4_gluon.CONFIGS[(K, N)][1] if (K, N) in int4_gluon.CONFIGS else 4, 64, 8)
         n_g = K // 128 // config[0]
         copies = B.copies_for(N * K / 2)
         ops = B.gemm_operands(K, N, 128, copies)
         for M in (1, 8):
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)]
-            fns = {"ours": variant(config),
-                   "ring": variant(config, mode=1), "no x": variant(config, mode=6)}
-            fns["no x, waited"] = variant(config, mode=7)
+            fns = {"ours": variant(config), "ours, no sum": variant(config, nosum=True),
+                   "no x, waited": variant(config, mode=7), "no x, waited, no sum": variant(config, mode=7, nosum=True)}
             y0 = {name: f(xs[0], *ops[0]) for name, f in fns.items()}
             torch.cuda.synchronize()
             for name in ("x once", "x once, early"):
@@ -62,7 +62,7 @@ def main():
         del ops
         torch.cuda.empty_cache()
         json.dump(res, open(out, "w"), indent=1)
-    names = ["ours", "ring", "no x", "no x, waited"]
+    names = ["ours", "ours, no sum", "no x, waited", "no x, waited, no sum"]
     print("\n| K x N | M | " + " | ".join(names) + " |")
     for key, t in res.items():
         shape, m = key.split(" ")
