@@ -90,6 +90,7 @@ X_ONCE_GROUPS = 0  # in one launch, slices of up to this many groups get a slot 
 MODE = 0  # 0 the kernel; 1 ring only (stager idle, consumers release unread); 6 no x (stager idle, consumers work);
 # 7 as 6, but the stager waits for the previous kernel and the consumers wait for that once, before their loop
 TRACE = None  # an int64 tensor [programs, 5]: entry, %smid, first group usable, loop end, exit (%globaltimer, ns)
+REDUCER = False  # the split-K sum by the last slice of each tile, the others publishing without a reply (call 130)
 NOSUM = False  # every program stores its slice's product as y: no split-K sum (wrong values; its cost, call 129)
 EARLY = False  # the consumers release the weights' stage once its words are in registers, before the product
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
@@ -331,7 +332,8 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
                     X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr, X_SLOTS: gl.constexpr,
-                    MODE: gl.constexpr, EARLY: gl.constexpr, TR: gl.constexpr, NOSUM: gl.constexpr):
+                    MODE: gl.constexpr, EARLY: gl.constexpr, TR: gl.constexpr, NOSUM: gl.constexpr,
+                    REDUCER: gl.constexpr):
     """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
     by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
     None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
@@ -414,6 +416,24 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     if SPLIT_K == 1 or NOSUM:
         gl.store(y_ptrs, acc.to(gl.bfloat16), mask=out_ok)
+    elif REDUCER:
+        # slice SPLIT_K - 1, launched last of its tile (so the others are resident or done), sums; the others only
+        # publish their partial and leave without waiting for a reply
+        if pid_k < SPLIT_K - 1:
+            gl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_ok)
+            gl.thread_barrier()  # every thread's partial is issued before the (release) arrival below
+            gl.atomic_add(cnt_ptr + pid_n, 1, sem="release", scope="gpu")
+        else:
+            arrived = gl.atomic_add(cnt_ptr + pid_n, 0, sem="acquire", scope="gpu")
+            while arrived < SPLIT_K - 1:
+                arrived = gl.atomic_add(cnt_ptr + pid_n, 0, sem="acquire", scope="gpu")
+            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+            for s_idx in gl.static_range(SPLIT_K - 1):
+                total += gl.load(ws_ptr + (s_idx * M + offs_m[None, :]) * N + offs_n[:, None], mask=out_ok,
+                                 other=0.0, cache_modifier=".cg")
+            total += gl.where(out_ok, acc, 0.0)
+            gl.store(y_ptrs, total.to(gl.bfloat16), mask=out_ok)
+            gl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
     else:
         gl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_ok)
         gl.thread_barrier()  # every thread's partial is issued before the (release) arrival below
@@ -518,7 +538,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
                                            X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,
                                            TRIGGER=trigger, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
                                            X_SLOTS=n_g if one_launch and n_g <= X_ONCE_GROUPS else 0,
-                                           MODE=MODE if one_launch else 0, EARLY=EARLY, TR=TRACE is not None, NOSUM=NOSUM,
+                                           MODE=MODE if one_launch else 0, EARLY=EARLY, TR=TRACE is not None, NOSUM=NOSUM, REDUCER=REDUCER,
                                            num_warps=4, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
     note_launch(x.device, trigger)
     return y
