@@ -73,9 +73,9 @@ def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, rows=0):
     w_l, x_l, words = g._shared_layouts(block_m)
     desc = lambda dtype, shape, layout: f"tensordesc<{dtype}{list(shape)},{layout!r}>"
     sig = dict(w_desc=desc("i32", [g.BLOCK_N, g.GROUP // 8], w_l),
-               x_desc="constexpr" if x_depth else desc("bf16", [block_m, g.GROUP], x_l),
+               x_desc="constexpr" if x_depth else desc("fp16", [block_m, g.GROUP], x_l),
                sz_desc=desc("i32", [1, g.BLOCK_N], words),
-               xs_desc="constexpr" if x_depth else desc("fp32", [1, g.XS_WIDTH.value], words),
+               xs_desc="constexpr" if x_depth else desc("fp32", [1, 4 * block_m], words),
                xw_ptr="*i32" if x_depth else "constexpr", y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
                N="i32", K="i32", stride_xw="i32", stride_ym="i32")
     const = dict(GROUP=g.GROUP, BLOCK_N=g.BLOCK_N, BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=True,

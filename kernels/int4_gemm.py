@@ -24,9 +24,7 @@ does (only the single lop3 is inline PTX, replaced by plain and/or there). With 
 writes an fp32 partial; the last program of a column tile to arrive (a per-tile counter, reset by that
 program) sums the partials in split order and writes the output, so the result is deterministic.
 On the GPU the GEMM is launched with programmatic dependent launch: its programs start while the prep
-kernel finishes and wait (griddepcontrol.wait) before the first read of its output. The prep kernel waits
-before any access too, so int4_gluon may launch it as a dependent of the previous kernel (after a launch of
-ours that triggers: kernels._jit).
+kernel finishes and wait (griddepcontrol.wait) before the first read of its output.
 Measured on the H200: bench/NOTES.md.
 
 `int4_mm_reference` is the plain PyTorch definition (dequantise, then matmul) the tests compare against.
@@ -87,25 +85,23 @@ def int4_mm_reference(x: torch.Tensor, packed, scale_zero, group: int) -> torch.
 
 # ----------------------------------------------------------------------------- kernel
 
-@lazy_jit(do_not_specialize=["M", "M_OUT"])
-def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, M_OUT, K, stride_xm, stride_xs_m, stride_xs_g,
-                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
-    """One program per group of k: xp[:M_OUT, group] = x[:, group] in the fragment order (rows >= M zero) and
-    xs[m, g] = its sum at m * stride_xs_m + g * stride_xs_g (this GEMM: [BLOCK_M, K/g]; int4_gluon's TMA boxes
-    want it group-major)."""
+@lazy_jit(do_not_specialize=["M"])
+def _int4_prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      PDL: tl.constexpr):
+    """One program per group g of k: xp[:M, group] = x[:, group] in the fragment order and xs[m, g] = its sum
+    (xs: [BLOCK_M, K/g], rows >= M zero)."""
     if PDL:
         gdc_launch_dependents()  # the GEMM's programs may be scheduled now; they wait for this grid's writes
-        gdc_wait()  # launched as a dependent itself: the previous kernel's x (and its reads of our buffers) are done
     g = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     cols = tl.arange(0, GROUP)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + g * GROUP + cols[None, :], mask=m_ok[:, None], other=0.0)
-    tl.store(xs_ptr + offs_m * stride_xs_m + g * stride_xs_g, tl.sum(x.to(tl.float32), axis=1))  # rows >= M: 0
+    tl.store(xs_ptr + offs_m * (K // GROUP) + g, tl.sum(x.to(tl.float32), axis=1))  # rows >= M: 0
     # The k order of _int4_mm_kernel's weight fragments: k = 8 (Q t + v) + s + 4 half (word Q t + v, shift s,
     # half 0 or 1 of the bf16 pair; Q = GROUP / 32) goes to position ((v * 4 + s) * 4 + t) * 2 + half.
     x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, 4, GROUP // 32, 2, 4)), (0, 2, 4, 1, 3)), (BLOCK_M, GROUP))
-    tl.store(xp_ptr + offs_m[:, None] * K + g * GROUP + cols[None, :], x, mask=(offs_m < M_OUT)[:, None])
+    tl.store(xp_ptr + offs_m[:, None] * K + g * GROUP + cols[None, :], x, mask=m_ok[:, None])
 
 
 @lazy_jit(do_not_specialize=["M"])  # one binary for every M (1 would be specialised)
@@ -292,8 +288,8 @@ def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> 
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = counters(x.device) if split > 1 else y
     pdl = USE_PDL and pdl_capable(x.device)
-    _int4_prep_kernel[(K // group,)](x, xp, xs, M, M, K, x.stride(0), K // group, 1, GROUP=group, BLOCK_M=BLOCK_M,
-                                     PDL=pdl, num_warps=4)
+    _int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=BLOCK_M, PDL=pdl,
+                                     num_warps=4)
     sz = scale_zero.view(torch.int32)  # [K/g, N, 1]: one word per (group, column)
     _int4_mm_kernel[grid](xp, xs, packed, sz, y, ws, cnt, M, N, K, y.stride(0),
                           GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M, SPLIT_K=split,

@@ -5,6 +5,13 @@ Same stored format and arithmetic as kernels/int4_gemm.py (read its docstring fi
 order, the per-group affine map applied to each group's product,
   sum_k x_k (q_k - z) s = s * (sum_k x_k (128 + q_k) - (128 + z) X),
 and the weight-stationary tile: a program owns 64 output columns and one of SPLIT_K slices of K.
+With x from the prep kernel (`_prep_kernel`) the operands are fp16 instead, because fp16's 10 mantissa bits
+hold a nibble at bits 4-7 of a half as well as at bits 0-3: a word unpacks with one shift and four lop3 (bf16:
+three and four), which made the long unsplit loops 1-4 us faster (bench/NOTES.md item 31). Odd k (the nibbles
+at bits 4-7) then read as 1024 + 16 q, even k as 1024 + q, so the prep kernel divides x at odd k by 16 and,
+against fp16's range, scales each row's group by a power of 2 r:
+  r sum_k x_k (q_k - z) = P - C - z X,  C = 1024 Sl + 64 Sh,  X = Sl + Sh  (Sl, Sh: x r summed over even, odd k)
+where P is the fp16 product; the epilogue multiplies by s / r.
 
 What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17):
 - One producer warp issues four TMA copies per group of k (the weight words [64, g/8], x [BLOCK_M, g], the
@@ -46,9 +53,9 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
 Each group's product is waited for before the next is issued: keeping it in flight (two alternating
 accumulators, `warpgroup_mma_wait(1)`) compiles, but ptxas then serialises every wgmma (C7514).
 
-int4_gemm's prep kernel writes x in the fragment order, padded to BLOCK_M rows, and X[g, 0:16] = the group
-sums (rows >= M zero) in a [K/g, 32] float32 buffer: 128 bytes per group, because a TMA destination must be
-128-byte aligned.
+`_prep_kernel` writes x in the fragment order, padded to BLOCK_M rows, and per group C, X and 1/r for the BLOCK_M
+rows (rows >= M zero) into a [K/g, 4 BLOCK_M] float32 buffer: 128 or 256 bytes a group, because a TMA destination
+must be 128-byte aligned (the stager writes its sums X into the first BLOCK_M of the same stage buffer).
 Only on a Hopper GPU (TMA, wgmma, cp.async), group 128, N % 64 == 0, and not while a graph is being traced
 (`usable`); everything else takes kernels/int4_gemm.py, which the CPU tests run under the interpreter.
 """
@@ -58,6 +65,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton.language as tl
 from triton import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -65,12 +73,12 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._jit import TUNED_SMS, capability, last_launch_triggers, note_launch, sm_count
+from kernels._jit import TUNED_SMS, capability, last_launch_triggers, lazy_jit, note_launch, sm_count
 
 GROUP = 128
 BLOCK_N = 64
-XS_WIDTH = gl.constexpr(32)  # floats per group in the X buffer (16 used): 128 bytes, the TMA destination alignment
 MAX_SPLIT = 16
 
 # (split, stages, registers[, one_launch_m]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17,
@@ -94,21 +102,32 @@ TRIGGER_PER_SM = 3
 
 
 @gluon.jit
-def _unpack(wd, s: gl.constexpr):
-    """Nibbles s and s+4 of each word -> the bf16 pair (128 + q[s], 128 + q[s+4]) (one lop3, as in int4_gemm)."""
+def _unpack(wd, s: gl.constexpr, FP16: gl.constexpr):
+    """Nibbles s and s+4 of each word -> a 16-bit pair with no conversion: bf16 (128 + q) (the nibble shifted to
+    bits 0-3 of each half, one lop3, as in int4_gemm), or, with FP16, fp16 (1024 + q) for even s and
+    (1024 + 16 q) for odd s, read in place at bits 4-7: fp16's 10 mantissa bits hold both, so a word takes one
+    shift (by 8, for s = 2, 3) instead of three."""
+    if FP16:
+        v = wd >> 8 if s >= 2 else wd
+        if s % 2 == 1:
+            return gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00F000F0, 0x64006400, 0xEA;", "=r,r", [v],
+                                             dtype=gl.int32, is_pure=True, pack=1)
+        return gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;", "=r,r", [v],
+                                         dtype=gl.int32, is_pure=True, pack=1)
     return gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [wd >> (4 * s)],
                                      dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
-def _a_operand(wd, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, a_l: gl.constexpr):
-    """Words [BLOCK_N, GROUP/8] in `_WORDS` -> the bf16 A operand [BLOCK_N, GROUP] with no data movement: the
-    same k permutation as int4_gemm (word Q t + v, shift s -> pair (v * 4 + s) * 4 + t, Q = GROUP/32)."""
+def _a_operand(wd, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, a_l: gl.constexpr, FP16: gl.constexpr):
+    """Words [BLOCK_N, GROUP/8] in `_WORDS` -> the bf16 (fp16) A operand [BLOCK_N, GROUP] with no data movement:
+    the same k permutation as int4_gemm (word Q t + v, shift s -> pair (v * 4 + s) * 4 + t, Q = GROUP/32)."""
     W: gl.constexpr = GROUP // 8
-    o = gl.join(gl.join(_unpack(wd, 0), _unpack(wd, 2)), gl.join(_unpack(wd, 1), _unpack(wd, 3)))  # [N, W, s1, s0]
+    o = gl.join(gl.join(_unpack(wd, 0, FP16), _unpack(wd, 2, FP16)),
+                gl.join(_unpack(wd, 1, FP16), _unpack(wd, 3, FP16)))  # [N, W, s1, s0]
     o = gl.join((o & 0xFFFF).to(gl.int16), (o >> 16).to(gl.int16))  # [N, W, s1, s0, half]
     o = gl.permute(gl.reshape(o, [BLOCK_N, 4, W // 4, 2, 2, 2]), [0, 2, 3, 4, 1, 5])  # [N, v, s1, s0, t, half]
-    w = gl.reshape(o, [BLOCK_N, GROUP]).to(gl.bfloat16, bitcast=True)
+    w = gl.reshape(o, [BLOCK_N, GROUP]).to(gl.float16 if FP16 else gl.bfloat16, bitcast=True)
     return gl.convert_layout(w, a_l, assert_trivial=True)
 
 
@@ -249,8 +268,9 @@ def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g
 
 @gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-    """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, FP16: gl.constexpr):
+    """One warpgroup: per group, the weights into the fragment, the product P, then acc += s * (P - (z + 128) X)
+    (bf16), or, with FP16 (the prep kernel's x, `_prep_kernel`), acc += s / r * (P - C - z X)."""
     W: gl.constexpr = GROUP // 8
     # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
     # pairs of its wgmma A fragment once unpacked and permuted (see _a_operand)
@@ -260,22 +280,64 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
                                                      shape=[BLOCK_N, W])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    cols: gl.constexpr = gl.SliceLayout(0, mma)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     for g in range(n_g):
         st = g % STAGES
         mbarrier.wait(full.index(st), (g // STAGES) & 1)
-        w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
+        w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l, FP16)
         sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
-        x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
+        xs = xs_smem.index(st).reshape([4 * BLOCK_M])
         s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
-        zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
+        z = (sz & -65536).to(gl.float32, bitcast=True)
+        if FP16:
+            x_sum = xs.slice(BLOCK_M, BLOCK_M).load(cols)
+            zx = xs.slice(0, BLOCK_M).load(cols)[None, :] + z[:, None] * x_sum[None, :]
+            s = s[:, None] * xs.slice(2 * BLOCK_M, BLOCK_M).load(cols)[None, :]
+        else:
+            zx = (z + 128.0)[:, None] * xs.slice(0, BLOCK_M).load(cols)[None, :]
+            s = s[:, None]
         part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
         part, w = warpgroup_mma_wait(0, deps=(part, w))
         # the product is complete, so every warp has issued it and every warp's reads of the stage are done
         mbarrier.arrive(empty.index(st), count=1)
-        acc = acc + s[:, None] * (part - zx)
+        acc = acc + s * (part - zx)
     return (acc,)  # (a partition returns a tuple)
+
+
+@lazy_jit(do_not_specialize=["M"])
+def _prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 PDL: tl.constexpr):
+    """One program per group g of k, for the fp16 product (module docstring): per row m < BLOCK_M (rows >= M
+    zero) a power of 2 r with max |x r| in [2^14, 2^15) over the group (clamped to normal floats), so that fp16
+    neither overflows nor rounds bf16's 8 bits; xp[m, g] = fp16(x r), odd k divided by 16 more, in the fragment's
+    k order; xs[g, m] = C = 1024 Sl + 64 Sh, xs[g, BLOCK_M + m] = X = Sl + Sh and xs[g, 2 BLOCK_M + m] = 1/r,
+    where Sl, Sh sum x r over even, odd k (from the fp16 values themselves, so that P - C is exactly r times
+    x's product with q). The GEMM's X buffer is group-major for its TMA boxes."""
+    if PDL:
+        gdc_launch_dependents()  # the GEMM's programs may be scheduled now; they wait for this grid's writes
+        gdc_wait()  # launched as a dependent itself: the previous kernel's x (and its reads of our buffers) are done
+    g = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, GROUP)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + g * GROUP + cols[None, :], mask=(offs_m < M)[:, None],
+                other=0.0).to(tl.float32)
+    e = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the row's max
+    er = tl.minimum(tl.maximum(268 - e, 1), 253)  # r = 2^(14 - (e - 127)), and 1/r, normal floats
+    r = (er << 23).to(tl.float32, bitcast=True)[:, None]
+    odd = (cols % 2 == 1)[None, :]
+    xh = tl.where(odd, x * r * 0.0625, x * r).to(tl.float16)
+    xf = xh.to(tl.float32)
+    sl = tl.sum(tl.where(odd, 0.0, xf), axis=1)
+    sh = tl.sum(tl.where(odd, xf * 16.0, 0.0), axis=1)
+    row = xs_ptr + g * 4 * BLOCK_M + offs_m
+    tl.store(row, 1024.0 * sl + 64.0 * sh)
+    tl.store(row + BLOCK_M, sl + sh)
+    tl.store(row + 2 * BLOCK_M, ((254 - er) << 23).to(tl.float32, bitcast=True))
+    # int4_gemm's fragment order: k = 8 (Q t + v) + s + 4 half goes to position ((v * 4 + s) * 4 + t) * 2 + half
+    xh = tl.reshape(tl.permute(tl.reshape(xh, (BLOCK_M, 4, GROUP // 32, 2, 4)), (0, 2, 4, 1, 3)), (BLOCK_M, GROUP))
+    tl.store(xp_ptr + offs_m[:, None] * K + g * GROUP + cols[None, :], xh)
 
 
 @gluon.jit
@@ -283,8 +345,8 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
                     X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr):
-    """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
-    by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
+    """X_DEPTH = 0: x (fp16) and its sums from `_prep_kernel` by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr
+    (bf16 pairs) by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
     None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
     has started."""
     W: gl.constexpr = GROUP // 8
@@ -298,9 +360,10 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     g0 = pid_k * n_g
 
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], X_LAYOUT)
+    x_smem = gl.allocate_shared_memory(gl.float16 if X_DEPTH == 0 else gl.bfloat16, [STAGES, BLOCK_M, GROUP],
+                                       X_LAYOUT)
     sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], sz_desc.layout)
-    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, XS_WIDTH], sz_desc.layout)
+    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 4 * BLOCK_M], sz_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -308,7 +371,8 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         mbarrier.init(empty.index(i), count=1)
     if X_DEPTH == 0:
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M,
+                         True)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
                          n_g, PDL)),
         ], [1], [REGS])
@@ -316,7 +380,8 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, ROWS, GROUP // 2],
                                             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
         acc, = gl.warp_specialize([
-            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M,
+                         False)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
                          False)),
             (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, PDL)),
@@ -421,12 +486,12 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         x_desc = xs_desc = None
         xw = x.view(torch.int32)
     else:
-        xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
-        xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
-        int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
-                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4, launch_pdl=follows)
+        xp = torch.empty((block_m, K), dtype=torch.float16, device=x.device)
+        xs = torch.empty((K // GROUP, 4 * block_m), dtype=torch.float32, device=x.device)
+        _prep_kernel[(K // GROUP,)](x, xp, xs, M, K, x.stride(0), GROUP=GROUP, BLOCK_M=block_m, PDL=pdl,
+                                    num_warps=4, launch_pdl=follows)
         x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
-        xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH.value], words)
+        xs_desc = TensorDescriptor.from_tensor(xs, [1, 4 * block_m], words)
         xw = None
     _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,

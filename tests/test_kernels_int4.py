@@ -71,14 +71,49 @@ def test_prep_writes_x_in_fragment_order_and_group_sums(interpret, seed, group):
     x = torch.randn(M, K).to(torch.bfloat16)
     xp = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
     xs = torch.full((G.BLOCK_M, K // group), float("nan"))
-    G._int4_prep_kernel[(K // group,)](x, xp, xs, M, M, K, x.stride(0), K // group, 1, GROUP=group, BLOCK_M=G.BLOCK_M,
-                                     PDL=False)
-    Q, c = group // 32, torch.arange(group)
-    half, t, s, v = c % 2, (c // 2) % 4, (c // 8) % 4, c // 32
-    src = torch.cat([g * group + 8 * (Q * t + v) + s + 4 * half for g in range(K // group)])
+    G._int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=G.BLOCK_M, PDL=False)
+    src = fragment_order(K, group)
     assert torch.equal(xp, x[:, src])
     sums = x.float().reshape(M, K // group, group).sum(-1)
     assert torch.allclose(xs[:M], sums, rtol=1e-5, atol=1e-5) and not xs[M:].any()
+
+
+def fragment_order(K, group):
+    """src[c] = the k whose x the prep kernels write at position c: c = ((v*4 + s)*4 + t)*2 + half within a group
+    takes k = 8(Q t + v) + s + 4 half (Q = group/32)."""
+    Q, c = group // 32, torch.arange(group)
+    half, t, s, v = c % 2, (c // 2) % 4, (c // 8) % 4, c // 32
+    return torch.cat([g * group + 8 * (Q * t + v) + s + 4 * half for g in range(K // group)])
+
+
+@pytest.mark.parametrize("M,block_m", [(3, 8), (11, 16)])
+def test_gluon_prep_scales_x_so_the_fp16_product_is_exact(interpret, seed, M, block_m):
+    """int4_gluon's prep kernel for its fp16 product: with the Gluon kernel's weight operand (1024 + q at even k,
+    1024 + 16 q at odd k), sum over groups of s/r (P - C - z X) must equal x @ W.T in float64 to rounding,
+    for a row beyond fp16's range (1e5) and a group of tiny values; x r stays below 2^15 and rows >= M are
+    zero."""
+    from kernels import int4_gluon
+    K, N, group = 256, 16, 128
+    packed, scale_zero = G.quantize_int4(torch.randn(N, K), group)
+    x = torch.randn(M, K).to(torch.bfloat16)
+    x[1] *= 1e5
+    x[2, :group] *= 1e-6
+    xp = torch.full((block_m, K), float("nan"), dtype=torch.float16)
+    xs = torch.full((K // group, 4 * block_m), float("nan"))
+    int4_gluon._prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=block_m, PDL=False)
+    assert xp.isfinite().all() and xp.abs().max() < 2 ** 15 and not xp[M:].any()
+    assert not xs[:, :2 * block_m].reshape(-1, 2, block_m)[..., M:].any(), "C and X of rows >= M must be zero"
+    q = G.unpack_int4(packed).double()
+    wk = torch.where(torch.arange(K) % 2 == 1, 1024 + 16 * q, 1024 + q)[:, fragment_order(K, group)]
+    y = torch.zeros(M, N, dtype=torch.float64)
+    for g in range(K // group):
+        ks = slice(g * group, (g + 1) * group)
+        P = xp[:M, ks].double() @ wk[:, ks].t()
+        c, x_sum, r_inv = (xs[g, i * block_m:i * block_m + M].double()[:, None] for i in range(3))
+        s, z = scale_zero[g].double().unbind(-1)
+        y += s * r_inv * (P - c - z * x_sum)
+    ref = reference64(x, packed, scale_zero, group)
+    assert ((y - ref).abs().amax(1) <= 1e-9 * ref.abs().amax(1)).all(), f"seed {seed}"
 
 
 def test_op_matches_plain_reference(interpret, seed):
