@@ -7,7 +7,8 @@ order, the per-group affine map applied to each group's product,
 and the weight-stationary tile: a program owns 64 output columns and one of SPLIT_K slices of K.
 With x from the prep kernel (`_prep_kernel`) the operands are fp16 instead, because fp16's 10 mantissa bits
 hold a nibble at bits 4-7 of a half as well as at bits 0-3: a word unpacks with one shift and four lop3 (bf16:
-three and four), which made the long unsplit loops 1-4 us faster (bench/NOTES.md item 31). Odd k (the nibbles
+three and four), which made the long loops faster (bench/NOTES.md item 31, call 131: 8192x28672 by 3.7 us
+of 39, 5376x21504 by 1.5, 4096x14336 by 0.5-1.3; the split-8 and split-6 shapes level). Odd k (the nibbles
 at bits 4-7) then read as 1024 + 16 q, even k as 1024 + q, so the prep kernel divides x at odd k by 16 and,
 against fp16's range, scales each row's group by a power of 2 r:
   r sum_k x_k (q_k - z) = P - C - z X,  C = 1024 Sl + 64 Sh,  X = Sl + Sh  (Sl, Sh: x r summed over even, odd k)
@@ -41,11 +42,12 @@ What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17)
   x itself (cp.async of x in natural order X_DEPTH groups ahead into a staging ring, then permuted in registers
   into the stage with its sums: `_stager`) beside the producer warp, which then issues only the weights'
   copies (`_producer`), so no prep kernel runs. Staged by the producer warp itself (items 21-27), x
-  made that warp's per-group chain set the pace on long loops; in a warp of its own it beats both that and the
-  prep kernel at small M on every tuned shape (call 106, M = 1: 4096x4096 6.68 against 6.90 us, 4096x14336
-  12.9 against 13.9, 21504x5376 20.4 against 21.8), up to a per-shape M. Above it the prep kernel wins (on
-  8192x28672 from M = 2): the stager's permutation and sums of up to 8 rows per group then likely compete with
-  the consumer warps for issue slots (two stager warps taking alternate groups were no faster than one).
+  made that warp's per-group chain set the pace on long loops; in a warp of its own it beat both that and the
+  bf16 prep path at small M on every tuned shape (call 106). Against the fp16 prep path (item 31, call 132) it
+  still wins at every M on the split shapes of few groups a program (14336x4096 by 0.9-2.2 us, 21504x5376 by
+  0.8-2.8, the small shapes by about 1), on 4096x14336 up to M = 2, and on the long unsplit loops at no M
+  (5376x21504, 4096x28672, 8192x28672): there the stager's permutation and sums, up to 8 rows a group, compete
+  with the consumer warps for issue slots (two stager warps taking alternate groups were no faster than one).
   Only the first ROWS = next power of 2 >= M rows are copied and permuted: the stage's other rows repeat them,
   and their products land in output rows >= M, which are never stored (item 27: the same bits). x shares the
   weights' stage (one barrier pair a group): a ring of x of its own, or a slot of x per group, costs the consumers
@@ -82,17 +84,17 @@ BLOCK_N = 64
 MAX_SPLIT = 16
 
 # (split, stages, registers[, one_launch_m]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17,
-# 21-23 and 28; calls 37, 51, 59-61, 73, 104 and 106), for the shapes where this path beat kernels/int4_gemm.py
-# (None: a shape it did not; `bench.kernels --tune` redoes it); one_launch_m: x staged by the kernel itself (one
-# launch) at M <= one_launch_m (<= 8), by the prep kernel above. Other shapes: `pick`.
+# 21-23, 28 and 31; calls 37, 51, 59-61, 73, 104, 106, 131 and 132), for the shapes where this path beat
+# kernels/int4_gemm.py (None: a shape it did not; `bench.kernels --tune` redoes it); one_launch_m: x staged by the
+# kernel itself (one launch) at M <= one_launch_m (<= 8), by the prep kernel above. Other shapes: `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {
-    (4096, 14336): (2, 4, 64, 4),  # split 2: enough programs per SM for the overlap mode
+    (4096, 14336): (2, 4, 64, 2),  # split 2: enough programs per SM for the overlap mode
     (14336, 4096): (8, 4, 64, 8),
-    (5376, 21504): (1, 4, 64, 3),
+    (5376, 21504): (1, 4, 64),
     (21504, 5376): (6, 6, 64, 8),
     (8192, 28672): (1, 4, 64),
     (4096, 128256): (1, 4, 64),  # Llama-3-8B lm_head
-    (4096, 28672): (1, 4, 64, 1),   # fused gate|up
+    (4096, 28672): (1, 4, 64),   # fused gate|up
     (4096, 4096): (8, 2, 64, 8), (4096, 1024): (8, 4, 64, 8), (4096, 6144): (4, 2, 64, 8),  # 2 stages: item 23
 }
 X_DEPTH = 2  # groups of x the stager copies ahead (1 and 2 level in calls 101 and 104)

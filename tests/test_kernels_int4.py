@@ -91,7 +91,8 @@ def test_gluon_prep_scales_x_so_the_fp16_product_is_exact(interpret, seed, M, bl
     """int4_gluon's prep kernel for its fp16 product: with the Gluon kernel's weight operand (1024 + q at even k,
     1024 + 16 q at odd k), sum over groups of s/r (P - C - z X) must equal x @ W.T in float64 to rounding,
     for a row beyond fp16's range (1e5) and a group of tiny values; x r stays below 2^15 and rows >= M are
-    zero."""
+    zero. Tolerance: C and X are float32 sums of terms 1024 times the product's, which leaves up to 2.5e-6 of
+    sum |x||w| in 80 random draws (the bf16 output rounds at 4e-3)."""
     from kernels import int4_gluon
     K, N, group = 256, 16, 128
     packed, scale_zero = G.quantize_int4(torch.randn(N, K), group)
@@ -113,7 +114,8 @@ def test_gluon_prep_scales_x_so_the_fp16_product_is_exact(interpret, seed, M, bl
         s, z = scale_zero[g].double().unbind(-1)
         y += s * r_inv * (P - c - z * x_sum)
     ref = reference64(x, packed, scale_zero, group)
-    assert ((y - ref).abs().amax(1) <= 1e-9 * ref.abs().amax(1)).all(), f"seed {seed}"
+    magnitude = x.double().abs() @ G.dequantize_int4(packed, scale_zero, group, torch.float64).abs().t()
+    assert ((y - ref).abs() <= 1e-5 * magnitude.amax(1, keepdim=True)).all(), f"seed {seed}"
 
 
 def test_op_matches_plain_reference(interpret, seed):
@@ -183,7 +185,7 @@ HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 
 @pytest.mark.parametrize("K,N,at_1,at_8,above_8", [
     (8192, 28672, (1, 4, 64), (1, 4, 64), (1, 4, 64)),  # tuned: 448 column tiles, K unsplit, the prep kernel
-    (5376, 21504, (1, 4, 64, 3), (1, 4, 64), (1, 4, 64)),  # tuned: one launch at M <= 3, the prep kernel above
+    (4096, 14336, (2, 4, 64, 2), (2, 4, 64), (2, 4, 64)),  # tuned: one launch at M <= 2, the prep kernel above
     (4096, 4096, (8, 2, 64, 8), (8, 2, 64, 8), None),  # tuned: one launch at M <= 8; above, the Triton kernel
     (14336, 4096, (8, 4, 64, 8), (8, 4, 64, 8), (8, 4, 64)),  # tuned: one launch at M <= 8; above, the prep kernel
     (8192, 8192, (4, 4, 64), (4, 4, 64), (4, 4, 64)),  # untuned, 64M weights: 128 tiles need 4 slices of 16 groups
