@@ -1,0 +1,440 @@
+"""Temporary copy of kernels/int4_gluon.py at a97837f (the bf16 prep path) for the model A/B of call 134.
+
+The INT4 small-M GEMM on Hopper, warp-specialised in Gluon: the path `int4_mm` takes for the shapes in CONFIGS
+and for untuned large weights.
+
+Same stored format and arithmetic as kernels/int4_gemm.py (read its docstring first): x in the fragment's k
+order, the per-group affine map applied to each group's product,
+  sum_k x_k (q_k - z) s = s * (sum_k x_k (128 + q_k) - (128 + z) X),
+and the weight-stationary tile: a program owns 64 output columns and one of SPLIT_K slices of K.
+
+What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17):
+- One producer warp issues four TMA copies per group of k (the weight words [64, g/8], x [BLOCK_M, g], the
+  scale/zero words [1, 64] and the group sums X) into a ring of shared-memory stages, each with a `full`
+  mbarrier (TMA completion) and an `empty` one (released by the consumers). The consumer warpgroup runs no
+  address arithmetic, no cp.async and one barrier of its own 128 threads per group (the compiler's, before the
+  release arrive): Triton's version spends two block-wide barriers per k-tile around its cp.async ring and
+  plain loads for scale/zero/X whose latency it must hide by hand.
+- The weight words go from shared memory straight into the tensor-core fragment's registers: the words'
+  layout (`words` in `_consumer`) is chosen so that the unpack, join and permutation produce exactly the wgmma A-operand
+  layout (checked at compile time: `convert_layout(..., assert_trivial=True)`).
+- 64 registers per thread (no spills; 80: slower than Triton on every large shape). Gluon pads the one-warp
+  producer partition to a warp group, so a program is 8 warps and 4 fit an SM (Nsight Compute, item 23); at 48
+  registers with the producer at 24, 5 fit, which loses in the overlap mode (more of the next call's programs
+  land greedily on the SMs that free first).
+- Under programmatic dependent launch (`int4_gemm.USE_PDL`) the programs start while the prep kernel runs and
+  issue their first ring of weight and scale/zero copies before waiting for it (0.4-0.8 us a call, item 18).
+  Overlap mode, for grids of >= TRIGGER_PER_SM programs per SM (item 22): the GEMM lets the next kernel launch
+  at its start (griddepcontrol.launch_dependents), so back to back the next call's programs issue their first
+  ring during this call's tail. Sparser grids do not: the block scheduler places programs that arrive while
+  SMs are busy greedily (0 to 4 on an SM), which they do not absorb (4096x14336 unsplit: 14.3 -> 18.5 us).
+  A call's first kernel (the prep kernel, or the GEMM in one launch) is itself a programmatic dependent only
+  after a launch of ours that triggers (`kernels._jit`): after one that does not, that cost 0.7-2.6 us.
+- The product is BLOCK_M = 8 wide for M <= 8 (wgmma n = 8; Triton's dot would fall back to mma.sync), with
+  x padded to BLOCK_M rows by the prep kernel so that no TMA box reaches past the tensor.
+- One launch up to a per-shape M (the 4th CONFIGS entry, `one_launch_m`; items 21 and 28): a stager warp stages
+  x itself (cp.async of x in natural order X_DEPTH groups ahead into a staging ring, then permuted in registers
+  into the stage with its sums: `_stager`) beside the producer warp, which then issues only the weights'
+  copies (`_producer`), so no prep kernel runs. Staged by the producer warp itself (items 21-27), x
+  made that warp's per-group chain set the pace on long loops; in a warp of its own it beats both that and the
+  prep kernel at small M on every tuned shape (call 106, M = 1: 4096x4096 6.68 against 6.90 us, 4096x14336
+  12.9 against 13.9, 21504x5376 20.4 against 21.8), up to a per-shape M. Above it the prep kernel wins (on
+  8192x28672 from M = 2): the stager's permutation and sums of up to 8 rows per group then likely compete with
+  the consumer warps for issue slots (two stager warps taking alternate groups were no faster than one).
+  Only the first ROWS = next power of 2 >= M rows are copied and permuted: the stage's other rows repeat them,
+  and their products land in output rows >= M, which are never stored (item 27: the same bits). x shares the
+  weights' stage (one barrier pair a group): a ring of x of its own, or a slot of x per group, costs the consumers
+  one more barrier wait a group and was slower on every shape (item 29, which also prices the parts apart).
+Each group's product is waited for before the next is issued: keeping it in flight (two alternating
+accumulators, `warpgroup_mma_wait(1)`) compiles, but ptxas then serialises every wgmma (C7514).
+
+int4_gemm's prep kernel writes x in the fragment order, padded to BLOCK_M rows, and X[g, 0:16] = the group
+sums (rows >= M zero) in a [K/g, 32] float32 buffer: 128 bytes per group, because a TMA destination must be
+128-byte aligned.
+Only on a Hopper GPU (TMA, wgmma, cp.async), group 128, N % 64 == 0, and not while a graph is being traced
+(`usable`); everything else takes kernels/int4_gemm.py, which the CPU tests run under the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton import constexpr_function
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernels._jit import TUNED_SMS, capability, last_launch_triggers, note_launch, sm_count
+
+GROUP = 128
+BLOCK_N = 64
+XS_WIDTH = gl.constexpr(32)  # floats per group in the X buffer (16 used): 128 bytes, the TMA destination alignment
+MAX_SPLIT = 16
+
+# (split, stages, registers[, one_launch_m]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17,
+# 21-23 and 28; calls 37, 51, 59-61, 73, 104 and 106), for the shapes where this path beat kernels/int4_gemm.py
+# (None: a shape it did not; `bench.kernels --tune` redoes it); one_launch_m: x staged by the kernel itself (one
+# launch) at M <= one_launch_m (<= 8), by the prep kernel above. Other shapes: `pick`.
+CONFIGS: dict[tuple[int, int], tuple | None] = {
+    (4096, 14336): (2, 4, 64, 4),  # split 2: enough programs per SM for the overlap mode
+    (14336, 4096): (8, 4, 64, 8),
+    (5376, 21504): (1, 4, 64, 3),
+    (21504, 5376): (6, 6, 64, 8),
+    (8192, 28672): (1, 4, 64),
+    (4096, 128256): (1, 4, 64),  # Llama-3-8B lm_head
+    (4096, 28672): (1, 4, 64, 1),   # fused gate|up
+    (4096, 4096): (8, 2, 64, 8), (4096, 1024): (8, 4, 64, 8), (4096, 6144): (4, 2, 64, 8),  # 2 stages: item 23
+}
+X_DEPTH = 2  # groups of x the stager copies ahead (1 and 2 level in calls 101 and 104)
+MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
+# A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
+TRIGGER_PER_SM = 3
+
+
+@gluon.jit
+def _unpack(wd, s: gl.constexpr):
+    """Nibbles s and s+4 of each word -> the bf16 pair (128 + q[s], 128 + q[s+4]) (one lop3, as in int4_gemm)."""
+    return gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [wd >> (4 * s)],
+                                     dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _a_operand(wd, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, a_l: gl.constexpr):
+    """Words [BLOCK_N, GROUP/8] in `_WORDS` -> the bf16 A operand [BLOCK_N, GROUP] with no data movement: the
+    same k permutation as int4_gemm (word Q t + v, shift s -> pair (v * 4 + s) * 4 + t, Q = GROUP/32)."""
+    W: gl.constexpr = GROUP // 8
+    o = gl.join(gl.join(_unpack(wd, 0), _unpack(wd, 2)), gl.join(_unpack(wd, 1), _unpack(wd, 3)))  # [N, W, s1, s0]
+    o = gl.join((o & 0xFFFF).to(gl.int16), (o >> 16).to(gl.int16))  # [N, W, s1, s0, half]
+    o = gl.permute(gl.reshape(o, [BLOCK_N, 4, W // 4, 2, 2, 2]), [0, 2, 3, 4, 1, 5])  # [N, v, s1, s0, t, half]
+    w = gl.reshape(o, [BLOCK_N, GROUP]).to(gl.bfloat16, bitcast=True)
+    return gl.convert_layout(w, a_l, assert_trivial=True)
+
+
+@gluon.jit
+def _gdc_wait():
+    """griddepcontrol.wait: the previous kernel's writes (the prep kernel's x and X, or x itself in the one-launch
+    mode) are complete and visible past this point."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch():
+    """griddepcontrol.launch_dependents: the next kernel's programs may be scheduled (once every program of this
+    grid has said so or exited); they wait for this grid's completion before their first dependent access."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _issue_weights(w_desc, sz_desc, bar, w_s, sz_s, n0, g, nbytes: gl.constexpr):
+    mbarrier.expect(bar, nbytes)  # every TMA byte of the stage (with the prep kernel, x's and X's copies too)
+    tma.async_copy_global_to_shared(w_desc, [n0, g * w_desc.block_type.shape[1]], bar, w_s)
+    tma.async_copy_global_to_shared(sz_desc, [g, n0], bar, sz_s)
+
+
+@gluon.jit
+def _issue_x(x_desc, xs_desc, bar, x_s, xs_s, g):
+    tma.async_copy_global_to_shared(x_desc, [0, g * x_desc.block_type.shape[1]], bar, x_s)
+    tma.async_copy_global_to_shared(xs_desc, [g, 0], bar, xs_s)
+
+
+@gluon.jit
+def _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes: gl.constexpr, pdl):
+    """The first ring's weights and scale/zero, then the programmatic-dependency wait (`pdl`): they depend on no
+    earlier kernel, so their DRAM latency overlaps the previous kernel and this grid's launch. -> groups issued."""
+    first = gl.minimum(n_g, w_smem.type.shape[0])
+    for g in range(first):
+        _issue_weights(w_desc, sz_desc, full.index(g), w_smem.index(g), sz_smem.index(g), n0, g0 + g, nbytes)
+    if pdl:
+        _gdc_wait()
+    return first
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl):
+    """One warp: each group's copies into its stage once the consumers released the stage's previous group; x
+    and X (the prep kernel's output) only after `_first_ring`'s wait. In one launch (x_desc None) the weights and
+    scale/zero only: x is `_stager`'s, and the weights depend on no earlier kernel, so `pdl` is False there.
+    (Worker partitions take no constexpr arguments: the sizes come from the descriptors and buffers.)"""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
+    nbytes: gl.constexpr = (w_desc.block_type.nbytes + sz_desc.block_type.nbytes
+                            + (x_desc.block_type.nbytes + xs_desc.block_type.nbytes if x_desc is not None else 0))
+    first = _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes, pdl)
+    if x_desc is not None:
+        for g in range(first):
+            _issue_x(x_desc, xs_desc, full.index(g), x_smem.index(g), xs_smem.index(g), g0 + g)
+    for g in range(first, n_g):
+        st = g % STAGES
+        mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
+        _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
+        if x_desc is not None:
+            _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
+
+
+@constexpr_function
+def _x_words(W):
+    """One warp over [rows, W] words of x (bf16 pairs), 16 bytes a thread: the cp.async and the staging reads."""
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // W, W // 4], warps_per_cta=[1, 1],
+                            order=[1, 0])
+
+
+@gluon.jit
+def _copy_x(xw_ptr, stride_xw, M, g, ok, stage):
+    """cp.async of x[:ROWS, group g] (bf16 pairs, natural order) into a staging buffer; rows >= M zero-filled."""
+    ROWS: gl.constexpr = stage.type.shape[0]
+    W: gl.constexpr = stage.type.shape[1]
+    layout: gl.constexpr = _x_words(W)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+    async_copy.async_copy_global_to_shared(stage, xw_ptr + rows[:, None] * stride_xw + g * W + cols[None, :],
+                                           mask=((rows < M)[:, None] & (cols >= 0)[None, :]) & ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _stage_x(xw, bar, x_s, xs_s):
+    """What the prep kernel writes, for one group and this program: x in the fragment's k order into the stage
+    and its sums X, for the ROWS rows of xw (the stage's other rows repeat them: only output rows < M are
+    stored), then the stage's second arrival (the first is the weights' expect). Natural k =
+    32 t + 8 v + 4 half + s goes to ((v * 4 + s) * 4 + t) * 2 + half: in words (bf16 pairs), natural word
+    16 t + 4 v + 2 half + s // 2 holds s and s + 1, and the pair (half 0, half 1) of each s is one word of the
+    result, at (v * 4 + s) * 4 + t."""
+    BLOCK_M: gl.constexpr = x_s.type.shape[0]
+    GROUP: gl.constexpr = x_s.type.shape[1]
+    ROWS: gl.constexpr = xw.shape[0]
+    lo_f = (xw << 16).to(gl.float32, bitcast=True)
+    hi_f = (xw & -65536).to(gl.float32, bitcast=True)
+    xs_s.reshape([xs_s.type.shape[1]]).slice(0, ROWS).store(gl.sum(lo_f + hi_f, axis=1))
+    a, b = gl.split(gl.permute(gl.reshape(xw, [ROWS, 4, GROUP // 32, 2, 2]), [0, 1, 2, 4, 3]))  # half 0, 1
+    even = (a & 0xFFFF) | (b << 16)  # s = 2 w: (half 0, half 1)
+    odd = ((a >> 16) & 0xFFFF) | (b & -65536)  # s = 2 w + 1
+    xp = gl.permute(gl.join(even, odd), [0, 2, 3, 4, 1])  # [M, t, v, w, s % 2] -> [M, v, w, s % 2, t]
+    words: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=x_s.type.layout.swizzle_byte_width,
+                                               element_bitwidth=32, rank=2)
+    xp = gl.reshape(xp, [ROWS, GROUP // 2])
+    for i in gl.static_range(BLOCK_M.bit_length() - ROWS.bit_length()):  # rows >= ROWS repeat the first ROWS
+        xp = gl.reshape(gl.permute(gl.join(xp, xp), [2, 0, 1]), [xp.shape[0] * 2, GROUP // 2])
+    x_s._reinterpret(gl.int32, [BLOCK_M, GROUP // 2], words).store(xp)
+    fence_async_shared()  # the generic-proxy writes above before the tensor core's (async-proxy) reads
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, pdl):
+    """One warp, one launch, no prep kernel: x by cp.async into a staging ring DEPTH groups ahead, then, once the
+    consumers released the stage, permuted from there into it with its sums (`_stage_x`). A warp of its own, beside
+    `_producer`, so its per-group chain (copy wait, two warp barriers, the permutation, the fence, the
+    arrive) no longer delays the weights' copies (bench/NOTES.md item 28); it takes one of the three warps Gluon
+    pads the producer's warp group with, so a program is still 8 warps."""
+    STAGES: gl.constexpr = x_smem.type.shape[0]
+    DEPTH: gl.constexpr = staging.type.shape[0] - 1
+    layout: gl.constexpr = _x_words(staging.type.shape[2])
+    if pdl:
+        _gdc_wait()  # x is the previous kernel's output
+    for g in gl.static_range(DEPTH):
+        _copy_x(xw_ptr, stride_xw, M, g0 + g, g < n_g, staging.index(g))
+    for g in range(n_g):
+        st = g % STAGES
+        _copy_x(xw_ptr, stride_xw, M, g0 + g + DEPTH, g + DEPTH < n_g, staging.index((g + DEPTH) % (DEPTH + 1)))
+        async_copy.wait_group(DEPTH)
+        gl.thread_barrier()  # every lane's copy of group g has landed
+        xw = staging.index(g % (DEPTH + 1)).load(layout)
+        gl.thread_barrier()  # every lane has read it before its buffer is refilled
+        if g >= STAGES:
+            mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
+        _stage_x(xw, full.index(st), x_smem.index(st), xs_smem.index(st))
+
+
+@gluon.jit
+def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """One warpgroup: per group, the weights into the fragment, the product, acc += s * (part - (z + 128) X)."""
+    W: gl.constexpr = GROUP // 8
+    # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
+    # pairs of its wgmma A fragment once unpacked and permuted (see _a_operand)
+    words: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+                                                     lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                                     warp_bases=[[16, 0], [32, 0]], block_bases=[],
+                                                     shape=[BLOCK_N, W])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+    for g in range(n_g):
+        st = g % STAGES
+        mbarrier.wait(full.index(st), (g // STAGES) & 1)
+        w = _a_operand(w_smem.index(st).load(words), BLOCK_N, GROUP, a_l)
+        sz = sz_smem.index(st).reshape([BLOCK_N]).load(gl.SliceLayout(1, mma))
+        x_sum = xs_smem.index(st).reshape([xs_smem.type.shape[2]]).slice(0, BLOCK_M).load(gl.SliceLayout(0, mma))
+        s = (sz << 16).to(gl.float32, bitcast=True)  # bf16 bits in the high half of a float32: exact
+        zx = ((sz & -65536).to(gl.float32, bitcast=True) + 128.0)[:, None] * x_sum[None, :]
+        part = warpgroup_mma(w, x_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+        part, w = warpgroup_mma_wait(0, deps=(part, w))
+        # the product is complete, so every warp has issued it and every warp's reads of the stage are done
+        mbarrier.arrive(empty.index(st), count=1)
+        acc = acc + s[:, None] * (part - zx)
+    return (acc,)  # (a partition returns a tuple)
+
+
+@gluon.jit
+def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
+                    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
+                    STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr):
+    """X_DEPTH = 0: x and X from the prep kernel by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr (bf16 pairs)
+    by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
+    None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
+    has started."""
+    W: gl.constexpr = GROUP // 8
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    if TRIGGER:
+        _gdc_launch()
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
+    g0 = pid_k * n_g
+
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], X_LAYOUT)
+    sz_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], sz_desc.layout)
+    xs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, XS_WIDTH], sz_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1 if X_DEPTH == 0 else 2)  # (+ the stager's store of x)
+        mbarrier.init(empty.index(i), count=1)
+    if X_DEPTH == 0:
+        acc, = gl.warp_specialize([
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
+                         n_g, PDL)),
+        ], [1], [REGS])
+    else:
+        staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, ROWS, GROUP // 2],
+                                            gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0]))
+        acc, = gl.warp_specialize([
+            (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
+            (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
+                         False)),
+            (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, PDL)),
+        ], [1, 1], [REGS, REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(full.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+    # split-K as in int4_gemm: fp32 partials, the last program of a column tile to arrive sums them in order
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    out_ok = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT_K == 1:
+        gl.store(y_ptrs, acc.to(gl.bfloat16), mask=out_ok)
+    else:
+        gl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_ok)
+        gl.thread_barrier()  # every thread's partial is issued before the (release) arrival below
+        arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+            for s_idx in gl.static_range(SPLIT_K):
+                total += gl.load(ws_ptr + (s_idx * M + offs_m[None, :]) * N + offs_n[:, None], mask=out_ok,
+                                 other=0.0, cache_modifier=".cg")
+            gl.store(y_ptrs, total.to(gl.bfloat16), mask=out_ok)
+            gl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+
+
+# ----------------------------------------------------------------------------- launch
+
+def default_config(K: int, N: int, sms: int = TUNED_SMS) -> tuple[int, int, int]:
+    """What the tune favoured: K unsplit when the column tiles alone give 1.5 programs per SM, else the fewest
+    slices (dividing K's groups, >= 2 groups each, <= MAX_SPLIT) that give 3.5 per SM; 4 stages, 64 registers."""
+    tiles, groups = N // BLOCK_N, K // GROUP
+    splits = [d for d in range(1, min(MAX_SPLIT, groups // 2) + 1) if groups % d == 0] or [1]
+    split = 1 if tiles >= 1.5 * sms else next((d for d in splits if tiles * d >= 3.5 * sms), splits[-1])
+    return split, 4, 64
+
+
+def pick(K: int, N: int, group: int, device, rows: int = 1) -> tuple | None:
+    """This path's config for the shape and M = rows, or None where kernels/int4_gemm.py should run it. Above a
+    config's one_launch_m, a shape under MIN_WEIGHTS goes to the Triton kernel (faster there than the prep kernel
+    and this path) and a larger one keeps the split with the prep kernel."""
+    if group != GROUP or N % BLOCK_N or K % GROUP or K < 2 * GROUP:
+        return None
+    if (K, N) in CONFIGS:
+        config = CONFIGS[(K, N)]
+        if config is None or len(config) == 3 or rows <= config[3]:
+            return config
+        return config[:3] if K * N >= MIN_WEIGHTS else None
+    return default_config(K, N, sm_count(device)) if K * N >= MIN_WEIGHTS else None
+
+
+def triggers(N: int, split: int, device) -> bool:
+    """Whether the grid for N columns in `split` slices of K runs in the overlap mode: it lets the next kernel
+    launch at its start (TRIGGER)."""
+    return N // BLOCK_N * split >= TRIGGER_PER_SM * sm_count(device)
+
+
+def usable(x: torch.Tensor) -> bool:
+    """A Hopper GPU, eagerly (a traced or fake tensor takes the Triton kernel, which traces through
+    torch.library.wrap_triton)."""
+    if x.device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    if isinstance(x, torch._subclasses.FakeTensor):
+        return False
+    return capability(x.device)[0] == 9
+
+
+@functools.cache
+def _shared_layouts(block_m: int) -> tuple:
+    """(weights, x, one-row words) shared-memory layouts of the TMA boxes."""
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP // 8], gl.int32),
+            gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.bfloat16),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+
+
+def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
+    """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] (group 128) -> [M, N] bf16, on this path.
+    config: (split, stages, registers[, one_launch_m]): x staged in the kernel itself (one launch, no prep kernel)
+    at M <= one_launch_m where x's rows are 16-byte aligned, else by the prep kernel."""
+    from bench import _old_int4_gemm as int4_gemm
+    split, stages, regs, *rest = config
+    M, K = x.shape
+    N = packed.shape[0]
+    n_g = K // GROUP // split if K % (GROUP * split) == 0 else 0
+    if M > 16 or n_g < 1 or N % BLOCK_N:
+        raise ValueError(f"int4_gluon: M={M} (<= 16), K={K} (split {split} into whole groups of {GROUP}) and "
+                         f"N={N} (a multiple of {BLOCK_N}) do not fit")
+    block_m = 8 if M <= 8 else 16
+    one_launch = bool(rest) and M <= min(rest[0], 8) and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+    regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
+    pdl = int4_gemm.USE_PDL
+    trigger = pdl and triggers(N, split, x.device)  # the overlap mode (module docstring)
+    follows = pdl and last_launch_triggers(x.device)  # the call's first kernel launched as a dependent
+    w_layout, x_layout, words = _shared_layouts(block_m)
+    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
+    sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
+    if one_launch:
+        x_desc = xs_desc = None
+        xw = x.view(torch.int32)
+    else:
+        xp = torch.empty((block_m, K), dtype=x.dtype, device=x.device)
+        xs = torch.empty((K // GROUP, XS_WIDTH.value), dtype=torch.float32, device=x.device)
+        int4_gemm._int4_prep_kernel[(K // GROUP,)](x, xp, xs, M, block_m, K, x.stride(0), 1, XS_WIDTH.value,
+                                                   GROUP=GROUP, BLOCK_M=16, PDL=pdl, num_warps=4, launch_pdl=follows)
+        x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
+        xs_desc = TensorDescriptor.from_tensor(xs, [1, XS_WIDTH.value], words)
+        xw = None
+    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
+                                           M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
+                                           BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
+                                           X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,
+                                           TRIGGER=trigger, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
+                                           num_warps=4, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
+    note_launch(x.device, trigger)
+    return y
