@@ -348,9 +348,9 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
                     X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr):
     """X_DEPTH = 0: x (fp16) and its sums from `_prep_kernel` by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr
-    (bf16 pairs) by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc and xs_desc
-    None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as every program
-    has started."""
+    (bf16 pairs) by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc
+    and xs_desc None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as
+    every program has started."""
     W: gl.constexpr = GROUP // 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     if TRIGGER:
