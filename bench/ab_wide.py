@@ -37,7 +37,7 @@ def main():
     for (K, N), trials in TRIALS.items():
         copies = B.copies_for(N * K / 2)
         ops = B.gemm_operands(K, N, 128, copies)
-        xs = {M: [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)] for M in MS}
+        xs = {M: [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(copies)] for M in (*MS, 3)}
         shipped = int4_gluon.CONFIGS[(K, N)]
         variants = {"shipped": (shipped, int4_gluon.BLOCK_N, None)}
         for label, cfg, block_n, trig in trials:
