@@ -70,16 +70,15 @@ def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, rows=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels import int4_gluon as g
-    block_n = int(os.environ.get("BLOCK_N", g.BLOCK_N))
-    w_l, x_l, words = g._shared_layouts(block_m, block_n)
+    w_l, x_l, words = g._shared_layouts(block_m)
     desc = lambda dtype, shape, layout: f"tensordesc<{dtype}{list(shape)},{layout!r}>"
-    sig = dict(w_desc=desc("i32", [block_n, g.GROUP // 8], w_l),
+    sig = dict(w_desc=desc("i32", [g.BLOCK_N, g.GROUP // 8], w_l),
                x_desc="constexpr" if x_depth else desc("fp16", [block_m, g.GROUP], x_l),
-               sz_desc=desc("i32", [1, block_n], words),
+               sz_desc=desc("i32", [1, g.BLOCK_N], words),
                xs_desc="constexpr" if x_depth else desc("fp32", [1, 4 * block_m], words),
                xw_ptr="*i32" if x_depth else "constexpr", y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
                N="i32", K="i32", stride_xw="i32", stride_ym="i32")
-    const = dict(GROUP=g.GROUP, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=True,
+    const = dict(GROUP=g.GROUP, BLOCK_N=g.BLOCK_N, BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=True,
                  X_LAYOUT=x_l, X_DEPTH=x_depth, TRIGGER=bool(trigger), ROWS=rows or block_m)
     const.update({k: None for k in ("x_desc", "xs_desc", "xw_ptr") if sig[k] == "constexpr"})
     sig.update({k: "constexpr" for k in const})
@@ -88,7 +87,7 @@ def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, rows=0):
                if sig[a] != "constexpr"]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = GluonASTSource(fn=g._int4_mm_kernel, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=block_n // 16, maxnreg=regs))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=regs))
 
 
 def sdpa(block_r, block_n, warps, stages, G=4, m_pad=8, D=128):

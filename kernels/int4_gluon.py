@@ -268,22 +268,6 @@ def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g
         _stage_x(xw, full.index(st), x_smem.index(st), xs_smem.index(st))
 
 
-@constexpr_function
-def _words_layout(BLOCK_N, W):
-    """Thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k pairs
-    of its wgmma A fragment once unpacked and permuted (see _a_operand); one warp per 16 rows."""
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
-                                      lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[[16 << i, 0] for i in range((BLOCK_N // 16).bit_length() - 1)],
-                                      block_bases=[], shape=[BLOCK_N, W])
-
-
-@constexpr_function
-def _mma_layout(BLOCK_N, BLOCK_M):
-    """The product's layout: BLOCK_N / 64 warp groups, each 64 rows (columns of the output)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[BLOCK_N // 16, 1], instr_shape=[16, BLOCK_M, 16])
-
-
 @gluon.jit
 def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.constexpr, STAGES: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
@@ -291,8 +275,13 @@ def _consumer(full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP: gl.cons
     (bf16 x, the stager's), or acc += s / r * (P - C - z X) (fp16 x, `_prep_kernel`'s)."""
     W: gl.constexpr = GROUP // 8
     FP16: gl.constexpr = x_smem.dtype == gl.float16
-    words: gl.constexpr = _words_layout(BLOCK_N, W)
-    mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_M)
+    # thread (g, t) of warp w holds rows 16w + g and 16w + g + 8, words 4t..4t+3 (16 bytes): the rows and k
+    # pairs of its wgmma A fragment once unpacked and permuted (see _a_operand)
+    words: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+                                                     lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                                     warp_bases=[[16, 0], [32, 0]], block_bases=[],
+                                                     shape=[BLOCK_N, W])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     cols: gl.constexpr = gl.SliceLayout(0, mma)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
@@ -364,7 +353,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     and xs_desc None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as
     every program has started."""
     W: gl.constexpr = GROUP // 8
-    mma: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_M)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     if TRIGGER:
         _gdc_launch()
     pid_n = gl.program_id(0)
@@ -464,14 +453,14 @@ def usable(x: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _shared_layouts(block_m: int, block_n: int = BLOCK_N) -> tuple:
+def _shared_layouts(block_m: int) -> tuple:
     """(weights, x, one-row words) shared-memory layouts of the TMA boxes."""
-    return (gl.NVMMASharedLayout.get_default_for([block_n, GROUP // 8], gl.int32),
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP // 8], gl.int32),
             gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.bfloat16),
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
-def launch(x, packed, scale_zero, config, out=None, block_n=BLOCK_N, trigger=None) -> torch.Tensor:
+def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] (group 128) -> [M, N] bf16, on this path.
     config: (split, stages, registers[, one_launch_m]): x staged in the kernel itself (one launch, no prep kernel)
     at M <= one_launch_m where x's rows are 16-byte aligned, else by the prep kernel."""
@@ -480,20 +469,20 @@ def launch(x, packed, scale_zero, config, out=None, block_n=BLOCK_N, trigger=Non
     M, K = x.shape
     N = packed.shape[0]
     n_g = K // GROUP // split if K % (GROUP * split) == 0 else 0
-    if M > 16 or n_g < 1 or N % block_n:
+    if M > 16 or n_g < 1 or N % BLOCK_N:
         raise ValueError(f"int4_gluon: M={M} (<= 16), K={K} (split {split} into whole groups of {GROUP}) and "
-                         f"N={N} (a multiple of {block_n}) do not fit")
+                         f"N={N} (a multiple of {BLOCK_N}) do not fit")
     block_m = 8 if M <= 8 else 16
     one_launch = bool(rest) and M <= min(rest[0], 8) and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     pdl = int4_gemm.USE_PDL
-    trigger = pdl and (triggers(N, split, x.device) if trigger is None else trigger)  # the overlap mode
+    trigger = pdl and triggers(N, split, x.device)  # the overlap mode (module docstring)
     follows = pdl and last_launch_triggers(x.device)  # the call's first kernel launched as a dependent
-    w_layout, x_layout, words = _shared_layouts(block_m, block_n)
-    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [block_n, GROUP // 8], w_layout)
-    sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, block_n], words)
+    w_layout, x_layout, words = _shared_layouts(block_m)
+    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [BLOCK_N, GROUP // 8], w_layout)
+    sz_desc = TensorDescriptor.from_tensor(scale_zero.view(torch.int32).view(K // GROUP, N), [1, BLOCK_N], words)
     if one_launch:
         x_desc = xs_desc = None
         xw = x.view(torch.int32)
@@ -505,11 +494,11 @@ def launch(x, packed, scale_zero, config, out=None, block_n=BLOCK_N, trigger=Non
         x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
         xs_desc = TensorDescriptor.from_tensor(xs, [1, 4 * block_m], words)
         xw = None
-    _int4_mm_kernel[(N // block_n, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
-                                           M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=block_n,
+    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
+                                           M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,
                                            TRIGGER=trigger, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
-                                           num_warps=block_n // 16, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
+                                           num_warps=4, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
     note_launch(x.device, trigger)
     return y
