@@ -66,7 +66,7 @@ def int4(block_n, block_k, group, split, warps, stages):
     return compile_sm90(_int4_mm_kernel.get(), sig, const, warps, stages, aligned)
 
 
-def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, rows=0, ahead=0):
+def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, rows=0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels import int4_gluon as g
@@ -79,8 +79,7 @@ def gluon(block_m, split, stages, regs, x_depth=0, trigger=0, rows=0, ahead=0):
                xw_ptr="*i32" if x_depth else "constexpr", y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32",
                N="i32", K="i32", stride_xw="i32", stride_ym="i32")
     const = dict(GROUP=g.GROUP, BLOCK_N=g.BLOCK_N, BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=True,
-                 X_LAYOUT=x_l, X_DEPTH=x_depth, TRIGGER=bool(trigger), ROWS=rows or block_m,
-                 AHEAD=ahead)
+                 X_LAYOUT=x_l, X_DEPTH=x_depth, TRIGGER=bool(trigger), ROWS=rows or block_m)
     const.update({k: None for k in ("x_desc", "xs_desc", "xw_ptr") if sig[k] == "constexpr"})
     sig.update({k: "constexpr" for k in const})
     names = list(sig)

@@ -174,8 +174,7 @@ def _first_ring(w_desc, sz_desc, full, w_smem, sz_smem, n0, g0, n_g, nbytes: gl.
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl,
-              ahead):
+def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g, pdl):
     """One warp: each group's copies into its stage once the consumers released the stage's previous group; x
     and X (the prep kernel's output) only after `_first_ring`'s wait. In one launch (x_desc None) the weights and
     scale/zero only: x is `_stager`'s, and the weights depend on no earlier kernel, so `pdl` is False there.
@@ -189,8 +188,7 @@ def _producer(w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_
             _issue_x(x_desc, xs_desc, full.index(g), x_smem.index(g), xs_smem.index(g), g0 + g)
     for g in range(first, n_g):
         st = g % STAGES
-        h = g - ahead  # in the steady state at most `ahead` groups in flight; the first ring fills all STAGES
-        mbarrier.wait(empty.index(h % STAGES), (h // STAGES) & 1)
+        mbarrier.wait(empty.index(st), ((g // STAGES) - 1) & 1)
         _issue_weights(w_desc, sz_desc, full.index(st), w_smem.index(st), sz_smem.index(st), n0, g0 + g, nbytes)
         if x_desc is not None:
             _issue_x(x_desc, xs_desc, full.index(st), x_smem.index(st), xs_smem.index(st), g0 + g)
@@ -349,7 +347,7 @@ def _prep_kernel(x_ptr, xp_ptr, xs_ptr, M, K, stride_xm, GROUP: tl.constexpr, BL
 def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym,
                     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
                     STAGES: gl.constexpr, REGS: gl.constexpr, PDL: gl.constexpr, X_LAYOUT: gl.constexpr,
-                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr, AHEAD: gl.constexpr = 0):
+                    X_DEPTH: gl.constexpr, TRIGGER: gl.constexpr, ROWS: gl.constexpr):
     """X_DEPTH = 0: x (fp16) and its sums from `_prep_kernel` by TMA (x_desc, xs_desc); X_DEPTH > 0: x from xw_ptr
     (bf16 pairs) by the stager's cp.async, X_DEPTH groups ahead, its first ROWS rows only, no prep kernel (x_desc
     and xs_desc None). TRIGGER: the next kernel, if it is a programmatic dependent, may be scheduled as soon as
@@ -363,7 +361,6 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
     n0 = pid_n * BLOCK_N
     n_g = (K // GROUP) // SPLIT_K  # groups of this slice (the launcher checks the division)
     g0 = pid_k * n_g
-    ahead = n_g * 0 + (AHEAD if AHEAD > 0 else STAGES)
 
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
     x_smem = gl.allocate_shared_memory(gl.float16 if X_DEPTH == 0 else gl.bfloat16, [STAGES, BLOCK_M, GROUP],
@@ -379,7 +376,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0,
-                         n_g, PDL, ahead)),
+                         n_g, PDL)),
         ], [1], [REGS])
     else:
         staging = gl.allocate_shared_memory(gl.int32, [X_DEPTH + 1, ROWS, GROUP // 2],
@@ -387,7 +384,7 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         acc, = gl.warp_specialize([
             (_consumer, (full, empty, w_smem, x_smem, sz_smem, xs_smem, n_g, GROUP, STAGES, BLOCK_N, BLOCK_M)),
             (_producer, (w_desc, x_desc, sz_desc, xs_desc, full, empty, w_smem, x_smem, sz_smem, xs_smem, n0, g0, n_g,
-                         False, ahead)),
+                         False)),
             (_stager, (xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, PDL)),
         ], [1, 1], [REGS, REGS])
     for i in gl.static_range(STAGES):
@@ -463,7 +460,7 @@ def _shared_layouts(block_m: int) -> tuple:
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
-def launch(x, packed, scale_zero, config, out=None, ahead=0) -> torch.Tensor:
+def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] (group 128) -> [M, N] bf16, on this path.
     config: (split, stages, registers[, one_launch_m]): x staged in the kernel itself (one launch, no prep kernel)
     at M <= one_launch_m where x's rows are 16-byte aligned, else by the prep kernel."""
@@ -502,7 +499,6 @@ def launch(x, packed, scale_zero, config, out=None, ahead=0) -> torch.Tensor:
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,
                                            TRIGGER=trigger, ROWS=1 << (M - 1).bit_length() if one_launch else block_m,
-                                           AHEAD=ahead,
                                            num_warps=4, maxnreg=regs, launch_pdl=follows if one_launch else pdl)
     note_launch(x.device, trigger)
     return y
