@@ -122,8 +122,9 @@ def _unpack(wd, s: gl.constexpr, FP16: gl.constexpr):
 
 @gluon.jit
 def _a_operand(wd, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, a_l: gl.constexpr, FP16: gl.constexpr):
-    """Words [BLOCK_N, GROUP/8] in `_WORDS` -> the bf16 (fp16) A operand [BLOCK_N, GROUP] with no data movement:
-    the same k permutation as int4_gemm (word Q t + v, shift s -> pair (v * 4 + s) * 4 + t, Q = GROUP/32)."""
+    """Words [BLOCK_N, GROUP/8] in `_consumer`'s `words` layout -> the bf16 (fp16) A operand [BLOCK_N, GROUP] with
+    no data movement: the same k permutation as int4_gemm (word Q t + v, shift s -> pair (v * 4 + s) * 4 + t,
+    Q = GROUP/32)."""
     W: gl.constexpr = GROUP // 8
     o = gl.join(gl.join(_unpack(wd, 0, FP16), _unpack(wd, 2, FP16)),
                 gl.join(_unpack(wd, 1, FP16), _unpack(wd, 3, FP16)))  # [N, W, s1, s0]
