@@ -10,7 +10,7 @@ Latency is the runtime's own `execute()` of the loaded method (inputs are set be
 not copied, via the pybinding's set_inputs / execute), median of `--calls` calls after `--warmup`, with a
 64-token prefill in the cache first so attention sees a realistic context. Rows: target_decode (T=1, the
 K=0 baseline), target_verify at T = 2, 4 and max_m, draft_decode at T=1, prefill at its max chunk.
-A verify that costs about as much as a decode step is what makes speculation pay (DESIGN §5).
+A verify that costs about as much as a decode step is what makes speculation pay (docs/design.md §5).
 """
 
 from __future__ import annotations

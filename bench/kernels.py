@@ -1,19 +1,20 @@
-"""One benchmark of the GPU kernels against their peers and the bytes floor (run on the lent H200).
+"""One benchmark of the GPU kernels against their peers and the bytes floor (on a CUDA GPU).
 
     python3 -m bench.kernels --out $OUT/kernels.json [--tune] [--tune-sdpa]
                              [--only check,gemm,sdpa,model,profile]
 
 Sections (each writes its results into the JSON as soon as it finishes, so a cut-off run still reports):
 - env: device, copy bandwidth (device-to-device copy of 2 GiB, bytes read + written / time);
-- check: kernels against their references on random inputs (poisoned outputs), the peer's packing, and
-  both ops replayed from a CUDA graph (programmatic dependent launch inside a graph) against eager calls;
-- tune (--tune): a few launch configurations per GEMM shape and for SDPA, timed at M = 1 and 8; the
-  winners are installed in kernels.int4_gemm.CONFIGS / kernels.sdpa_midm.CONFIG for the rest of the run
-  and written to the JSON (copy them into the code); on Hopper also every split for kernels/int4_gluon.py,
+- check: kernels against their references on random inputs (poisoned outputs), torch's int4 GEMM on our
+  weights, and both ops replayed from a CUDA graph (programmatic dependent launch inside a graph) against
+  eager calls;
+- tune (--tune): a few launch configurations per GEMM shape (and, with --tune-sdpa, for SDPA), timed at M = 1
+  and 8; the winners are installed in kernels.int4_gemm.CONFIGS / kernels.sdpa_midm.CONFIG for the rest of the
+  run and written to the JSON (copy them into the code); on Hopper also every split for kernels/int4_gluon.py,
   at 2, 4 and 6 stages with x from the prep kernel and staged in the kernel (one launch), timed at M = 1, 2, 4
   and 8, one launch kept up to the M before which it never lost (one_launch_m); its CONFIGS get the shapes where
   it beats the Triton kernel by more than 3% (None for the others);
-- gemm: K x N in the issue's shapes, M = 1..8: ours (group 128), torch `_weight_int4pack_mm` (group 128),
+- gemm: K x N in GEMM_SHAPES, M = 1..8: ours (group 128), torch `_weight_int4pack_mm` (group 128),
   bf16 cuBLAS (F.linear), and the floor = (packed weights + scales/zeros + x + y) bytes / copy bandwidth;
   ours also `alone`: each call as if a kernel not ours ran before it (no start during the previous call's
   tail; kernels/int4_gluon.py, overlap mode), as after torch's ops in a model; and `read`: one launch that
@@ -49,9 +50,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import int4_gemm as G
-from kernels import int4_gluon
-from kernels._jit import note_launch
+from kernels import int4_gluon, int4_launch
 from kernels import sdpa_midm as S
+from kernels._jit import note_launch
 
 L2_BYTES = 60e6
 GEMM_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (5376, 21504), (21504, 5376), (8192, 28672)]
@@ -62,19 +63,21 @@ MS = list(range(1, 9))
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                  intermediate_size=14336, rope_theta=500000.0, rms_norm_eps=1e-5)
 
-RESULTS: dict = {}
-TUNE_SDPA = False
-OUT_PATH = None
+
+class Report(dict):
+    """The run's results by section; `save` rewrites the JSON file, so that a cut-off run still reports."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def save(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump(self, f, indent=1, default=str)
 
 
 def log(*a):
     print(*a, flush=True)
-
-
-def save():
-    if OUT_PATH:
-        with open(OUT_PATH, "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
 
 
 def copies_for(nbytes: float) -> int:
@@ -151,18 +154,15 @@ def measure_bandwidth() -> dict:
 
 # ----------------------------------------------------------------------------- torch int4 peer
 
-def to_tinygemm(packed, scale_zero, group, even_high: bool = True):
-    """Our (packed, scale_zero) -> torch's tinygemm (int4pack, scales_and_zeros).
-    tinygemm dequantises w = (q - 8) * scale + zero_f, so zero_f = (8 - zero) * scale."""
+def to_tinygemm(packed, scale_zero, group):
+    """Our (packed, scale_zero) -> torch's tinygemm (int4pack, scales_and_zeros). Its packing takes even k in
+    the high nibble; it dequantises w = (q - 8) * scale + zero_f, so zero_f = (8 - zero) * scale."""
     q = G.unpack_int4(packed).to(torch.int32)
-    u8 = ((q[:, 0::2] << 4) | q[:, 1::2]) if even_high else ((q[:, 1::2] << 4) | q[:, 0::2])
+    u8 = (q[:, 0::2] << 4) | q[:, 1::2]
     w = torch.ops.aten._convert_weight_to_int4pack(u8.to(torch.uint8).contiguous(), 8)
     s, zero = scale_zero.float().unbind(-1)
     sz = torch.stack((s, (8 - zero) * s), dim=-1).to(torch.bfloat16).contiguous()  # [K/g, N, 2]
     return w, sz
-
-
-TINYGEMM_EVEN_HIGH = True
 
 
 def tinygemm_mm(x, w, sz, group):
@@ -171,33 +171,17 @@ def tinygemm_mm(x, w, sz, group):
 
 # ----------------------------------------------------------------------------- check
 
-def section_check():
-    RESULTS["check"] = {}
-    try:
-        check_int4()
-    except Exception:
-        log(f"int4 check with inline PTX failed; retrying with the plain-op unpack:\n"
-            f"{traceback.format_exc()[-1500:]}")
-        G.USE_PTX = False
-        RESULTS["ptx_failed"] = traceback.format_exc()[-1500:]
-        check_int4()
-    check_sdpa()
-    check_norm_rope()
-    try:
-        check_graph_replay()
-    except Exception:
-        log(f"graph replay with programmatic dependent launch failed; turning it off:\n"
-            f"{traceback.format_exc()[-1500:]}")
-        G.USE_PDL = S.USE_PDL = False
-        RESULTS["pdl_failed"] = traceback.format_exc()[-1500:]
-        check_graph_replay()
+def section_check(report: Report):
+    report["check"] = {}
+    for check in (check_int4, check_sdpa, check_norm_rope, check_graph_replay):
+        check(report["check"])
+        report.save()
 
 
-def check_graph_replay():
+def check_graph_replay(out: dict):
     """Both ops captured in a CUDA graph (with PDL edges where enabled) give the eager result on new inputs; the
     GEMMs run in sequence (each call's output is the next one's x) through every path: Gluon with the prep kernel
     and TRIGGER (so the next call's programs start before this one ends), Gluon in one launch, Triton."""
-    out = RESULTS["check"]
     sequence = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 5000)]  # K x N
     weights = [tuple(t.cuda() for t in G.quantize_int4(torch.randn(N, K, device="cuda") * 0.02, 128))
                for K, N in sequence]
@@ -227,17 +211,15 @@ def check_graph_replay():
         outs = calls()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(outs_g, outs)), "graph replay differs from the eager call"
-    out["graph_replay_pdl"] = dict(gemm=G.USE_PDL, sdpa=S.USE_PDL, gemm_paths=[gemm_path(K, N) for K, N in sequence])
-    log(f"check graph replay: equal to eager (PDL gemm={G.USE_PDL} sdpa={S.USE_PDL}; GEMM paths in sequence "
-        f"{out['graph_replay_pdl']['gemm_paths']})")
-    save()
+    out["graph_replay_pdl"] = dict(gemm=int4_launch.USE_PDL, sdpa=S.USE_PDL,
+                                   gemm_paths=[gemm_path(K, N) for K, N in sequence])
+    log(f"check graph replay: equal to eager (PDL gemm={int4_launch.USE_PDL} sdpa={S.USE_PDL}; GEMM paths in "
+        f"sequence {out['graph_replay_pdl']['gemm_paths']})")
 
 
-def check_int4():
-    out = RESULTS["check"]
+def check_int4(out: dict):
     out["use_ptx"] = G.USE_PTX
-    out["use_pdl"] = G.USE_PDL
-    global TINYGEMM_EVEN_HIGH
+    out["use_pdl"] = int4_launch.USE_PDL
     shapes = (None, (64, 128, 4, 4, 3), (64, 256, 2, 4, 3, 96), (128, 128, 2, 4, 4), (128, 256, 1, 8, 3))
     splits = (None, (64, 256, 3, 4, 3, 96), (64, 256, 6, 4, 3, 96))  # K = 6144: 24 k-tiles of 256
     for group, K, cfgs in ((32, 4096, shapes), (128, 4096, shapes), (128, 6144, splits)):
@@ -270,23 +252,17 @@ def check_int4():
     assert worst < 1e-2 and not G.counters(torch.device("cuda")).any(), f"int4 gluon: rel err {worst}"
     out["int4_gluon_worst_rel_err"] = worst
     log(f"check int4 gluon path (5 shapes, M 1..16): worst rel err {worst:.2e}")
-    # torch's packing: which nibble holds even k?
+    # the peer: torch's int4 GEMM on the same weights (to_tinygemm's packing)
     packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(1024, 4096, device="cuda"), 128))
     x = torch.randn(4, 4096, device="cuda").to(torch.bfloat16)
     ref = x.double() @ G.dequantize_int4(packed, scale_zero, 128, torch.float64).t()
-    errs = {}
-    for even_high in (True, False):
-        w, sz = to_tinygemm(packed, scale_zero, 128, even_high)
-        errs[even_high] = rel_err(tinygemm_mm(x, w, sz, 128), ref)
-    TINYGEMM_EVEN_HIGH = min(errs, key=errs.get)
-    out["tinygemm_rel_err"] = {str(k): v for k, v in errs.items()}
-    out["tinygemm_even_k_high_nibble"] = TINYGEMM_EVEN_HIGH
-    log(f"check tinygemm packing: {errs}")
-    save()
+    err = rel_err(tinygemm_mm(x, *to_tinygemm(packed, scale_zero, 128), 128), ref)
+    assert err < 1e-2, f"torch int4 on our weights: rel err {err}"
+    out["tinygemm_rel_err"] = err
+    log(f"check tinygemm on our weights: rel err {err:.2e}")
 
 
-def check_sdpa():
-    out = RESULTS["check"]
+def check_sdpa(out: dict):
     worst = 0.0
     B, Hkv, Gq, L, D = 1, 8, 4, 5000, 128
     k, v = (torch.randn(B, Hkv, L, D, device="cuda").to(torch.bfloat16) for _ in range(2))
@@ -304,18 +280,16 @@ def check_sdpa():
     assert worst < 1e-2, f"sdpa: rel err {worst}"
     out["sdpa_worst_rel_err"] = worst
     log(f"check sdpa: worst rel err {worst:.2e}")
-    save()
 
 
-def check_norm_rope():
+def check_norm_rope(out: dict):
     """RoPE and SwiGLU bit-exact and RMSNorm within 3 bf16 ulps of the model's own code, at Llama-3-8B sizes. (The row's
     sum of squares is reduced in another order than torch's, so the inverse RMS can differ in its last float32
     bit and the normalised value, rounded to bf16 before the weight, by one ulp; the weight, 0.5-1.5 here,
-    carries that into at most 3 ulps of the product. Most draws give 0; call 53 met 2.)"""
+    carries that into at most 3 ulps of the product. Most draws give 0, a few 2.)"""
     from kernels.norm_rope import rms_norm, rope, swiglu
     from models.layers import RMSNorm, Rope, apply_rope
 
-    out = RESULTS["check"]
     table = Rope(128, 40000, 500000.0, 1.0, dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                   high_freq_factor=4.0, original_max_position_embeddings=8192))
     table = table.cuda()
@@ -340,7 +314,6 @@ def check_norm_rope():
         f"rope: {rope_diff} values differ; rms_norm: {norm_ulps} ulps; swiglu: {swiglu_diff} values differ"
     out.update(rope_values_differing=rope_diff, rms_norm_max_ulps=norm_ulps, swiglu_values_differing=swiglu_diff)
     log(f"check norm/rope/swiglu: rope and swiglu bit-exact, rms_norm within {norm_ulps} ulp")
-    save()
 
 
 # ----------------------------------------------------------------------------- gemm
@@ -359,7 +332,8 @@ def gemm_path(K, N) -> list:
     probe = torch.empty(1, device="cuda")
     gluon = int4_gluon.pick(K, N, 128, probe.device) if int4_gluon.usable(probe) else None
     if gluon:
-        return ["gluon", *gluon] + ["trigger"] * (G.USE_PDL and int4_gluon.triggers(N, gluon[0], probe.device))
+        trigger = int4_launch.USE_PDL and int4_gluon.triggers(N, gluon[0], probe.device)
+        return ["gluon", *gluon] + ["trigger"] * trigger
     return ["triton", *G.pick_config(N, K, 128)]
 
 
@@ -403,15 +377,14 @@ def _read_kernel(x_ptr, out_ptr, words_per_program, BLOCK: tl.constexpr, OVERLAP
 READ_BLOCK = 4096  # int32 words per program and iteration (16 KB; 8 warps: four 16-byte loads a thread)
 
 
-def read_ceiling(nbytes: int, copies: int) -> dict:
+def read_ceiling(nbytes: int, copies: int, sms: int) -> dict:
     """What one launch that only reads `nbytes` costs back to back (rotating copies > L2, as the GEMMs are
     timed): the fastest of the read kernel above at 4, 8 and 16 programs per SM and torch's sum. The floor
     counts bytes at the copy bandwidth of 2 GiB; a one-wave read of tens of MB also pays the launch, the
     first requests' latency and the tail, and this is that cost with no arithmetic at all. `read_overlap_us`: the
     read kernel overlapped back to back (OVERLAP), as our GEMM calls are in the overlap mode, which hides most of
-    that cost (bench/NOTES.md item 26); `read_dep_us`: overlapped but waiting for the previous read after its
-    first 16 KB a program (WAIT_FIRST), as a GEMM waits for its input after its first ring."""
-    sms = RESULTS["env"]["sms"]
+    that cost; `read_dep_us`: overlapped but waiting for the previous read after its first 16 KB a program
+    (WAIT_FIRST), as a GEMM waits for its input after its first ring."""
     out = torch.empty(16 * sms, dtype=torch.int32, device="cuda")
     modes = {"read": (False, False), "read_overlap": (True, False), "read_dep": (True, True)}
     times = {mode: {} for mode in modes}
@@ -445,8 +418,8 @@ GEMM_CANDIDATES = [
 ]
 
 
-def section_tune():
-    bw = RESULTS["env"]["copy_bw"]
+def section_tune(report: Report, sdpa: bool):
+    bw, sms = report["env"]["copy_bw"], report["env"]["sms"]
     table, detail, gluon_table = {}, {}, {}
     for K, N in GEMM_SHAPES + MODEL_SHAPES:
         copies = copies_for(N * K / 2)
@@ -459,7 +432,7 @@ def section_tune():
                 if K % (split * bk) or K // split < 512:
                     continue
                 tiles = math.ceil(N / bn)
-                if split > 1 and tiles * split > 8 * RESULTS["env"]["sms"]:
+                if split > 1 and tiles * split > 8 * sms:
                     continue
                 if split == 1 and tiles < 66 and K >= 4096:
                     continue
@@ -480,12 +453,6 @@ def section_tune():
         detail[f"{K}x{N}"] = dict(best=best[1], best_us=best[0], floor_us_m8=floor, rows=rows)
         log(f"tune {K}x{N}: best {best[1]} {best[0]:.1f} us (floor {floor:.1f} us) "
             f"[{time.time() - t_shape:.0f} s]")
-        if G.USE_PDL:  # the same winner without programmatic dependent launch, at M = 1
-            G.USE_PDL = False
-            detail[f"{K}x{N}"]["no_pdl_us_m1"] = time_calls(
-                [lambda i=i: G.launch_int4_mm(xs[1][i], *ops[i], 128, best[1]) for i in range(copies)], reps=10)
-            G.USE_PDL = True
-            log(f"   without PDL at M=1: {detail[f'{K}x{N}']['no_pdl_us_m1']:.1f} us")
         if int4_gluon.usable(xs[1][0]):  # the Gluon path: every split, x from the prep kernel or staged in it
             groups, rows_gl = K // int4_gluon.GROUP, {}
             for split in [d for d in range(1, int4_gluon.MAX_SPLIT + 1) if groups % d == 0 and groups // d >= 2]:
@@ -509,18 +476,22 @@ def section_tune():
         torch.cuda.empty_cache()
     G.CONFIGS.update(table)
     int4_gluon.CONFIGS.update(gluon_table)
-    RESULTS["tune"] = dict(gemm_configs={f"{k[0]},{k[1]},{k[2]}": v for k, v in table.items()}, gemm=detail,
-                           gluon_configs={f"{k[0]},{k[1]}": v for k, v in gluon_table.items()})
-    save()
-    if not TUNE_SDPA:
-        return
-    # sdpa: block_n, warps, stages, programs per SM
+    report["tune"] = dict(gemm_configs={f"{k[0]},{k[1]},{k[2]}": v for k, v in table.items()}, gemm=detail,
+                          gluon_configs={f"{k[0]},{k[1]}": v for k, v in gluon_table.items()})
+    report.save()
+    if sdpa:
+        tune_sdpa(report)
+
+
+def tune_sdpa(report: Report):
+    """SDPA launch configurations (block_n, warps, stages, programs per SM) timed at L = 32768 and 131072, M = 1
+    and 8; the lowest sum is installed in kernels.sdpa_midm.CONFIG."""
     sdpa_rows, best = [], None
     for block_n, warps, stages, pps in [(64, 4, 3, 2), (64, 4, 3, 3), (64, 4, 3, 4), (64, 4, 4, 2),
                                         (64, 8, 3, 2), (128, 4, 2, 2), (128, 8, 3, 2), (32, 4, 4, 4)]:
         S.CONFIG.update(block_n=block_n, warps=warps, stages=stages, programs_per_sm=pps)
         try:
-            ts = [sdpa_time_ours(L, M, reps=8) for L in (32768, 131072) for M in (1, 8)]
+            ts = [sdpa_time_ours(*sdpa_inputs(L, M), reps=8) for L in (32768, 131072) for M in (1, 8)]
         except Exception as e:
             sdpa_rows.append(((block_n, warps, stages, pps), str(e)[:120]))
             continue
@@ -531,26 +502,20 @@ def section_tune():
         log(f"tune sdpa {(block_n, warps, stages, pps)}: {['%.1f' % t for t in ts]}")
     block_n, warps, stages, pps = best[1]
     S.CONFIG.update(block_n=block_n, warps=warps, stages=stages, programs_per_sm=pps)
-    if S.USE_PDL:
-        S.USE_PDL = False
-        no_pdl = [sdpa_time_ours(L, M, reps=8) for L in (32768, 131072) for M in (1, 8)]
-        S.USE_PDL = True
-        sdpa_rows.append(("winner without PDL", no_pdl))
-        log(f"tune sdpa winner without PDL: {['%.1f' % t for t in no_pdl]}")
-    RESULTS["tune"].update(sdpa_config=dict(S.CONFIG), sdpa=sdpa_rows)
-    save()
+    report["tune"].update(sdpa_config=dict(S.CONFIG), sdpa=sdpa_rows)
+    report.save()
 
 
-def section_gemm():
-    bw = RESULTS["env"]["copy_bw"]
+def section_gemm(report: Report):
+    bw, sms = report["env"]["copy_bw"], report["env"]["sms"]
     rows = []
     for K, N in GEMM_SHAPES:
         copies = copies_for(N * K / 2)
         ops = gemm_operands(K, N, 128, copies)
-        tg = [to_tinygemm(*o, 128, TINYGEMM_EVEN_HIGH) for o in ops]
-        nb = max(2, copies_for(N * K * 2) )
+        tg = [to_tinygemm(*o, 128) for o in ops]
+        nb = copies_for(N * K * 2)
         wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
-        read = read_ceiling(weight_bytes(K, N, 128), copies)
+        read = read_ceiling(weight_bytes(K, N, 128), copies, sms)
         log(f"read {K}x{N}: {read['read_us']:.1f} us ({read['read_how']}), overlapped {read['read_overlap_us']:.1f} "
             f"({read['read_overlap_how']}), waiting after the first ring {read['read_dep_us']:.1f} "
             f"({read['read_dep_how']}); " + ", ".join(f"{k} {v:.1f}" for k, v in read["read_all"].items()))
@@ -577,8 +542,8 @@ def section_gemm():
             rows.append(dict(K=K, N=N, M=M, group=32, ours_us=t, floor_us=floor, floor_frac=floor / t))
         del ops, tg, wb, ops32
         torch.cuda.empty_cache()
-        RESULTS["gemm"] = rows
-        save()
+        report["gemm"] = rows
+        report.save()
 
 
 # ----------------------------------------------------------------------------- sdpa
@@ -586,43 +551,34 @@ def section_gemm():
 SDPA_HEADS = (32, 8, 128)  # Hq, Hkv, D
 
 
-def sdpa_inputs(L, M, copies):
+def sdpa_inputs(L, M):
+    """Rotating copies of the cache (enough to exceed the L2 several times) and of q, with q at the last M
+    positions, as verify rows are."""
     Hq, Hkv, D = SDPA_HEADS
+    copies = copies_for(2 * Hkv * L * D * 2)
     kv = [(torch.randn(1, Hkv, L, D, device="cuda", dtype=torch.bfloat16),
            torch.randn(1, Hkv, L, D, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
     qs = [torch.randn(1, M, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(copies)]
-    q_pos = torch.arange(L - M, L, device="cuda")  # the verify rows are the last M positions
+    q_pos = torch.arange(L - M, L, device="cuda")
     return kv, qs, q_pos
 
 
-_SDPA_CACHE = {}
+def sdpa_time_ours(kv, qs, q_pos, reps=25):
+    vl = torch.tensor([kv[0][0].shape[2]], device="cuda")
+    return time_calls([lambda i=i: S.sdpa_midm(qs[i], *kv[i], q_pos, vl) for i in range(len(kv))], reps=reps)
 
 
-def sdpa_time_ours(L, M, reps=25):
-    Hq, Hkv, D = SDPA_HEADS
-    copies = copies_for(2 * Hkv * L * D * 2)
-    key = (L, M)
-    if key not in _SDPA_CACHE:
-        _SDPA_CACHE.clear()
-        torch.cuda.empty_cache()
-        _SDPA_CACHE[key] = sdpa_inputs(L, M, copies)
-    kv, qs, q_pos = _SDPA_CACHE[key]
-    vl = torch.tensor([L], device="cuda")
-    return time_calls([lambda i=i: S.sdpa_midm(qs[i], *kv[i], q_pos, vl) for i in range(copies)], reps=reps)
-
-
-def section_sdpa():
-    bw = RESULTS["env"]["copy_bw"]
+def section_sdpa(report: Report):
+    bw = report["env"]["copy_bw"]
     Hq, Hkv, D = SDPA_HEADS
     rows = []
     for L in SDPA_LENGTHS:
         for M in MS:
-            ours = sdpa_time_ours(L, M)
-            kv, qs, q_pos = _SDPA_CACHE[(L, M)]
+            kv, qs, q_pos = sdpa_inputs(L, M)
+            ours = sdpa_time_ours(kv, qs, q_pos)
             mask = S.visible(q_pos, L)
-            n = len(kv)
             peer = time_calls([lambda i=i: F.scaled_dot_product_attention(qs[i], *kv[i], attn_mask=mask,
-                                                                           enable_gqa=True) for i in range(n)],
+                                                                           enable_gqa=True) for i in range(len(kv))],
                               reps=10 if L > 32768 else 25)
             o = S.sdpa_midm(qs[0], *kv[0], q_pos)
             ref = F.scaled_dot_product_attention(qs[0].float(), kv[0][0].float(), kv[0][1].float(),
@@ -633,10 +589,10 @@ def section_sdpa():
             rows.append(row)
             log(f"sdpa L={L} M={M}: ours {ours:.1f} torch {peer:.1f} floor {floor:.1f} ({floor / ours:.2f}) "
                 f"x{peer / ours:.1f}")
-        RESULTS["sdpa"] = rows
-        save()
-    _SDPA_CACHE.clear()
-    torch.cuda.empty_cache()
+            del kv, qs, ref
+            torch.cuda.empty_cache()
+        report["sdpa"] = rows
+        report.save()
 
 
 # ----------------------------------------------------------------------------- whole model
@@ -645,7 +601,7 @@ class TinyGemmLinear(torch.nn.Module):
     def __init__(self, lin):
         super().__init__()
         self.group = lin.group
-        self.w, self.sz = to_tinygemm(lin.packed, lin.scale_zero, lin.group, TINYGEMM_EVEN_HIGH)
+        self.w, self.sz = to_tinygemm(lin.packed, lin.scale_zero, lin.group)
         self.bias = lin.bias
 
     def forward(self, x):
@@ -739,7 +695,7 @@ def llama3_8b(max_seq_len: int):
     return model
 
 
-def section_profile():
+def section_profile(report: Report):
     """Where a cached forward's time goes at T = 1 against T = 2 (kernels/transform on Llama-3-8B shapes,
     ctx 4096): the kernels whose summed CUDA time or count differs most."""
     from kernels.transform import to_kernels
@@ -762,11 +718,11 @@ def section_profile():
             log(f"   {d:+9.1f} us  x{c1}->x{c2}  {k}")
         del m
         torch.cuda.empty_cache()
-    RESULTS["profile_t1_t2"] = out
-    save()
+    report["profile_t1_t2"] = out
+    report.save()
 
 
-def section_model():
+def section_model(report: Report):
     from kernels.transform import to_kernels
 
     contexts, Ts = (4096, 32768), (1, 2, 4, 8)
@@ -789,7 +745,7 @@ def section_model():
     weight_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
                        if n.endswith(("packed", "scale_zero")))
     out = dict(weight_bytes=weight_bytes, rows=[])
-    bw = RESULTS["env"]["copy_bw"]
+    bw = report["env"]["copy_bw"]
     for ctx in contexts:
         cap = ctx + 256
         for m in {id(m): m for _, m in variants}.values():  # (fused_nopdl is the fused model itself)
@@ -810,19 +766,19 @@ def section_model():
         for T in Ts:
             row = dict(ctx=ctx, T=T, floor_us=(weight_bytes + kv_bytes) / bw * 1e6)
             for name, m in variants:
-                pdl = G.USE_PDL, S.USE_PDL
+                pdl = int4_launch.USE_PDL, S.USE_PDL
                 if name.endswith("_nopdl"):  # read at launch, so the captured graph has plain edges
-                    G.USE_PDL = S.USE_PDL = False
+                    int4_launch.USE_PDL = S.USE_PDL = False
                 try:
                     row[f"{name}_us"] = time_forward(m, ctx, T)
                 except Exception as e:
                     row[f"{name}_error"] = repr(e)[:300]
                 finally:
-                    G.USE_PDL, S.USE_PDL = pdl
+                    int4_launch.USE_PDL, S.USE_PDL = pdl
             log(f"model ctx={ctx} T={T}: {row}")
             out["rows"].append(row)
-            RESULTS["model"] = out
-            save()
+            report["model"] = out
+            report.save()
     with torch.no_grad():  # the two paths agree on the same weights (same cache contents after this copy)
         for other in (peer, fused, fused_plain):
             for la, lb in zip(model.layers, other.layers):
@@ -835,33 +791,33 @@ def section_model():
         out["argmax_agree"] = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
         out["fused_vs_separate_rel_err"] = rel_err(c, a)
         out["norm_rope_vs_plain_rel_err"] = rel_err(c, fused_plain(tok, pos).float())
-    RESULTS["model"] = out
-    save()
+    report["model"] = out
+    report.save()
 
 
 # ----------------------------------------------------------------------------- tables
 
-def print_tables():
-    if "gemm" in RESULTS:
+def print_tables(report: Report):
+    if "gemm" in report:
         log("\nGEMM (us; group 128; floor_frac = floor/ours)")
         log(f"{'K x N':>13} {'M':>2} {'ours':>7} {'alone':>7} {'t-int4':>7} {'bf16':>7} {'floor':>6} {'frac':>5} "
             f"{'read':>6} {'read_overlap':>12} {'read_dep':>8} {'floor/read/overlap/dep':>22}")
-        for r in RESULTS["gemm"]:
+        for r in report["gemm"]:
             if r.get("group") == 32:
                 continue
             fracs = "/".join(f"{r['floor_us'] / r[k]:.2f}" for k in ("read_us", "read_overlap_us", "read_dep_us"))
             log(f"{r['K']:>6}x{r['N']:<6} {r['M']:>2} {r['ours_us']:7.1f} {r['ours_alone_us']:7.1f} "
                 f"{r['torch_int4_us']:7.1f} {r['bf16_us']:7.1f} {r['floor_us']:6.1f} {r['floor_frac']:5.2f} "
                 f"{r['read_us']:6.1f} {r['read_overlap_us']:12.1f} {r['read_dep_us']:8.1f} {fracs:>22}")
-    if "sdpa" in RESULTS:
+    if "sdpa" in report:
         log("\nSDPA (us; Hq 32, Hkv 8, D 128)")
         log(f"{'L':>7} {'M':>2} {'ours':>7} {'torch':>8} {'floor':>6} {'frac':>5} {'speedup':>7}")
-        for r in RESULTS["sdpa"]:
+        for r in report["sdpa"]:
             log(f"{r['L']:>7} {r['M']:>2} {r['ours_us']:7.1f} {r['torch_us']:8.1f} {r['floor_us']:6.1f} "
                 f"{r['floor_frac']:5.2f} {r['speedup']:7.1f}")
-    if "model" in RESULTS:
+    if "model" in report:
         log("\nModel (Llama-3-8B shapes, CUDA-graph forward, us)")
-        for r in RESULTS["model"]["rows"]:
+        for r in report["model"]["rows"]:
             cols = "  ".join(f"{n} {r.get(n + '_us', float('nan')):7.0f}" for n in
                              ("ours", "fused", "torch", "torch_fused", "fused_plain", "torch_plain",
                               "torch_fused_plain", "fused_nopdl"))
@@ -869,39 +825,36 @@ def print_tables():
 
 
 def main():
-    global OUT_PATH
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_kernels.json")
-    ap.add_argument("--only", default="check,gemm,sdpa,model")
-    ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--tune-sdpa", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench_kernels.json", help="the JSON file, rewritten after every section")
+    ap.add_argument("--only", default="check,gemm,sdpa,model", help="sections: check, gemm, sdpa, model, profile")
+    ap.add_argument("--tune", action="store_true", help="tune the launch configurations first (and install them)")
+    ap.add_argument("--tune-sdpa", action="store_true", help="with --tune: SDPA's as well")
     args = ap.parse_args()
-    global TUNE_SDPA
-    TUNE_SDPA = args.tune_sdpa
-    OUT_PATH = args.out
+    report = Report(args.out)
     props = torch.cuda.get_device_properties(0)
-    RESULTS["env"] = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
-                          triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M"))
+    report["env"] = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+                         triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M"))
     bws = measure_bandwidth()
-    RESULTS["env"].update(bws)
-    RESULTS["env"]["copy_bw"] = max(bws.values())
-    log(f"env: {RESULTS['env']}")
-    save()
+    report["env"].update(bws, copy_bw=max(bws.values()))
+    log(f"env: {report['env']}")
+    report.save()
     sections = args.only.split(",")
-    plan = [("check", section_check)] * ("check" in sections) + [("tune", section_tune)] * args.tune + \
+    plan = [("check", section_check)] * ("check" in sections) + \
+        [("tune", lambda r: section_tune(r, sdpa=args.tune_sdpa))] * args.tune + \
         [(n, f) for n, f in (("gemm", section_gemm), ("sdpa", section_sdpa), ("model", section_model),
                               ("profile", section_profile))
          if n in sections]
     for name, fn in plan:
         t0 = time.time()
         try:
-            fn()
+            fn(report)
         except Exception:
-            RESULTS.setdefault("errors", {})[name] = traceback.format_exc()[-2000:]
+            report.setdefault("errors", {})[name] = traceback.format_exc()[-2000:]
             log(f"section {name} FAILED:\n{traceback.format_exc()[-2000:]}")
-            save()
+            report.save()
         log(f"[{name}: {time.time() - t0:.0f} s]")
-    print_tables()
+    print_tables(report)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for m in rows:
         lines.append(f"{m['chain']:>3} {m['tau']:>6.2f} {m['tokens_per_s']:>8.1f} {m['baseline_tokens_per_s']:>10.1f} "
-                     f"{m['speedup']:>7.2f}x {m['draft_acceptance_rate']:>7.2f} {m['verify_ms_per_round']:>9.2f} "
+                     f"{m['speedup']:>7.2f}x {m['acceptance_rate']:>7.2f} {m['verify_ms_per_round']:>9.2f} "
                      f"{m['draft_ms_per_round']:>8.2f} {str(m['lossless']):>8}")
     return "\n".join(lines)
 

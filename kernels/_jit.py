@@ -20,8 +20,8 @@ Interpreter shims (CPU tests only; they change nothing when kernels are compiled
 - triton's own standard library (`tl.zeros`, `tl.sum`, `tl.cdiv`, ...) is `@jit`-decorated when triton is
   imported, so it is compiled-mode when the variable was set later; for the duration of each interpreted
   launch (the interpreter's own patch scope, restored afterwards) those functions are swapped for
-  interpreted ones, whose calls restore the language builtins they patch (3.6's do not, which broke every
-  compiled launch after an interpreted one in the same process).
+  interpreted ones, whose calls restore the language builtins they patch (3.6's do not, so every compiled
+  launch after an interpreted one in the same process would fail).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def pdl_capable(device) -> bool:
 # Per CUDA stream: whether our last launch on it lets the next kernel launch early (griddepcontrol.
 # launch_dependents at its start). A kernel that may start a call is launched as a programmatic dependent only
 # then: after a kernel that does not trigger, that costs time instead of saving it (0.7-2.6 us a call on the
-# H200, bench/NOTES.md item 22). Kernels launched by others (torch's) are not seen: a caller that runs them
+# H200, bench/NOTES.md). Kernels launched by others (torch's) are not seen: a caller that runs them
 # between two of ours says so with note_launch(device, False).
 _TRIGGERS: dict[int, bool] = {}
 

@@ -1,8 +1,7 @@
-"""The one dispatch rule: M <= max_m rows take the small-M kernels, larger M takes the dense path.
+"""The dispatch rule applied: calls of M <= max_m rows run on the small-M kernels, larger ones on the dense path.
 
-max_m is the verify window's largest T (DESIGN.md §5): the exported verify range [2, max_m] and decode
-(T = 1) sit at or under it and prefill's minimum sits above it, so every call site resolves to one side
-for its whole shape range, and the rule leaves no data-dependent guard in an exported graph.
+The rule itself (`use_small_m`, and why max_m bounds every call site's shape range) is kernels/rule.py, free of
+torch so that the export path can apply it alone; docs/design.md §5.
 """
 
 from __future__ import annotations
@@ -10,20 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_gemm import BLOCK_M, dequantize_int4, int4_mm
-from kernels.sdpa_midm import MAX_M, sdpa_midm, visible
-
-SMALL_M_LIMIT = min(BLOCK_M, MAX_M)  # the kernels take at most this many rows
-
-
-def check_max_m(max_m: int) -> int:
-    if not 1 <= max_m <= SMALL_M_LIMIT:
-        raise ValueError(f"max_m={max_m}: the small-M kernels take 1..{SMALL_M_LIMIT} rows")
-    return max_m
-
-
-def use_small_m(m: int, max_m: int) -> bool:
-    return m <= max_m
+from kernels.int4_gemm import dequantize_int4, int4_mm
+from kernels.rule import use_small_m
+from kernels.sdpa_midm import sdpa_midm, visible
 
 
 def int4_linear(x: torch.Tensor, packed, scale_zero, group: int, max_m: int, bias=None) -> torch.Tensor:

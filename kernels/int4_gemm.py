@@ -10,8 +10,9 @@ Two launches per call. `_int4_prep_kernel` reads x once and writes what every pr
 otherwise recompute: x with the k order inside each group permuted (see below) and the per-group sums
 X[m, g] = sum over the group of x[m, k] in float32. `_int4_mm_kernel`: one program owns BLOCK_N output
 columns (and one of SPLIT_K slices of K). The weights are the left operand of the tensor-core product, so
-the tile [BLOCK_N, k] is dequantised in registers and the M activation rows (padded to 16) are the right
-operand, streamed from global to shared memory untouched: weight traffic does not grow with M.
+the tile [BLOCK_N, k] is dequantised in registers and the M activation rows (padded to BLOCK_M = 16, the
+width of Triton's smallest tensor-core dot) are the right operand, streamed from global to shared memory
+untouched: weight traffic does not grow with M.
 Dequantisation is about one integer op per weight: q | 0x4300 read as bf16 is exactly 128 + q, the
 products against x run on the tensor cores, and the group's affine map is applied to the [BLOCK_N, 16]
 partial sum instead of to every weight:
@@ -21,11 +22,15 @@ bf16x2 register. The k order inside a group is permuted (on x and the weights al
 over k, so this is exact) so that each thread's tensor-core fragment comes from 4 contiguous words (one
 16-byte load). All of it is elementwise tensor code, so the interpreter runs the same permutation the GPU
 does (only the single lop3 is inline PTX, replaced by plain and/or there). With SPLIT_K > 1 each program
-writes an fp32 partial; the last program of a column tile to arrive (a per-tile counter, reset by that
-program) sums the partials in split order and writes the output, so the result is deterministic.
-On the GPU the GEMM is launched with programmatic dependent launch: its programs start while the prep
-kernel finishes and wait (griddepcontrol.wait) before the first read of its output.
+writes an fp32 partial; the last program of a column tile to arrive (kernels/int4_launch.py's counters)
+sums the partials in split order and writes the output, so the result is deterministic.
+On the GPU the GEMM is launched with programmatic dependent launch (`int4_launch.USE_PDL`): its programs
+start while the prep kernel finishes and wait (griddepcontrol.wait) before the first read of its output.
 Measured on the H200: bench/NOTES.md.
+
+On a Hopper GPU `int4_mm` hands the shapes kernels/int4_gluon.py is tuned for (and large untuned ones) to that
+kernel, the same arithmetic warp-specialised in Gluon. The import goes one way: what both kernels need at
+launch (the row limit, the PDL switch, the split-K counters) lives in kernels/int4_launch.py.
 
 `int4_mm_reference` is the plain PyTorch definition (dequantise, then matmul) the tests compare against.
 """
@@ -39,12 +44,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import int4_gluon
+from kernels import int4_gluon, int4_launch
 from kernels._jit import TUNED_SMS, compiled, lazy_jit, note_launch, pdl_capable, sm_count
+from kernels.int4_launch import BLOCK_M, MAX_TILES, counters
 
-BLOCK_M = 16  # activation rows per launch (the tensor-core minimum); M <= BLOCK_M
 USE_PTX = True  # the one-instruction lop3 on the GPU (False: plain and/or, same values, one more op per pair)
-USE_PDL = True  # programmatic dependent launch of the GEMM after the prep kernel (GPU only)
 GROUPS = (32, 128)
 
 
@@ -132,8 +136,8 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     g_last = (k_start + k_len) // GROUP - 1
 
     # A group's scale, zero and X are plain loads, and under the weight stream they return only after the
-    # weight tiles already in flight: loaded in the group that uses them, they were the kernel's largest
-    # stall (bench/NOTES.md, v7-v10). So the first two groups of each k-tile get theirs a whole k-tile
+    # weight tiles already in flight: loaded in the group that uses them, they would be the kernel's largest
+    # stall (Nsight Compute, bench/NOTES.md). So the first two groups of each k-tile get theirs a whole k-tile
     # ahead: each slot is reloaded, for the next k-tile, after its last use, and holds the loaded 32-bit
     # words untouched until then (a conversion or a register copy at the back-edge would wait for the load).
     # sz_ptr is scale_zero read as int32: a column's (scale, zero) pair is one word, scale in the low half.
@@ -213,7 +217,8 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
 # ----------------------------------------------------------------------------- launch configuration
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, register cap per thread]) per (K, N, group), from the
-# tuning run on the H200 (python3 -m bench.kernels --tune; bench/NOTES.md). Other shapes: `default_config`.
+# tune on the H200 (bench/results/h200-int4-tune.json, "triton"; `python3 -m bench.kernels --tune` redoes it).
+# Other shapes: `default_config`.
 CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (4096, 4096, 128): (64, 256, 4, 4, 3, 96),
     (4096, 14336, 128): (64, 256, 2, 4, 3),
@@ -226,17 +231,13 @@ CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (4096, 6144, 128): (64, 256, 4, 4, 3, 96),   # fused q|k|v
     (4096, 28672, 128): (64, 256, 2, 4, 3, 96),  # fused gate|up
 }
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MAX_TILES = 1 << 15
-
-
 MAX_SPLIT = 8  # the tuned range; every slice adds an fp32 partial that the last arriver reads back
 
 
 @functools.cache  # (called on every launch of a shape the table lacks)
 def default_config(N: int, K: int, group: int, sms: int = TUNED_SMS) -> tuple[int, ...]:
-    """What the tuning runs favoured: 64-column tiles, 4 warps, and K split (any divisor of the k-tile count
-    up to MAX_SPLIT, not only powers of 2: 5376 = 21 k-tiles of 256 ran 10% faster split 3 than whole) into
+    """What the tune favours: 64-column tiles, 4 warps, and K split (any divisor of the k-tile count up to
+    MAX_SPLIT, not only powers of 2: 5376 = 21 k-tiles of 256 runs 10% faster split 3 than whole) into
     the fewest slices that give ~4 programs per SM, each slice >= 512 deep. The kernel is latency-bound, so
     resident programs matter more than tile size."""
     block_n = 64
@@ -245,20 +246,12 @@ def default_config(N: int, K: int, group: int, sms: int = TUNED_SMS) -> tuple[in
     splits = [d for d in range(1, min(k_tiles, MAX_SPLIT) + 1)
               if k_tiles % d == 0 and (d == 1 or K // d >= 512)]
     split = next((d for d in splits if tiles * d >= 4 * sms), splits[-1])
-    # group 128 under a 96-register cap: 5 programs per SM instead of 4, no spills (won on 7 of 10 tuned shapes)
+    # group 128 under a 96-register cap: 5 programs per SM instead of 4, no spills (wins on 7 of 10 tuned shapes)
     return (block_n, block_k, split, 4, 3) + ((96,) if group == 128 else ())
 
 
 def pick_config(N: int, K: int, group: int, sms: int = TUNED_SMS) -> tuple[int, ...]:
     return CONFIGS.get((K, N, group)) or default_config(N, K, group, sms)
-
-
-def counters(device: torch.device) -> torch.Tensor:
-    """Per-device arrival counters for split-K (all zero between launches). Allocate before graph capture."""
-    device = torch.device(device)
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 
 
 def _check(x, packed, scale_zero, group: int) -> None:
@@ -280,14 +273,14 @@ def launch_int4_mm(x, packed, scale_zero, group: int, config=None, out=None) -> 
     if K % (split * block_k) or block_k % group:
         raise ValueError(f"config {config} does not tile K={K} with group {group}")
     grid = (triton.cdiv(N, block_n), split)
-    if grid[0] > _MAX_TILES:
-        raise ValueError(f"N={N} needs {grid[0]} column tiles; the counter buffer has {_MAX_TILES}")
+    if grid[0] > MAX_TILES:
+        raise ValueError(f"N={N} needs {grid[0]} column tiles; the counter buffer has {MAX_TILES}")
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     xp = torch.empty((M, K), dtype=x.dtype, device=x.device)
     xs = torch.empty((BLOCK_M, K // group), dtype=torch.float32, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = counters(x.device) if split > 1 else y
-    pdl = USE_PDL and pdl_capable(x.device)
+    pdl = int4_launch.USE_PDL and pdl_capable(x.device)
     _int4_prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=BLOCK_M, PDL=pdl,
                                      num_warps=4)
     sz = scale_zero.view(torch.int32)  # [K/g, N, 1]: one word per (group, column)

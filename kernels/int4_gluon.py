@@ -1,65 +1,62 @@
 """The INT4 small-M GEMM on Hopper, warp-specialised in Gluon: the path `int4_mm` takes for the shapes in CONFIGS
-and for untuned large weights.
+and for untuned weights of at least MIN_WEIGHTS.
 
-Same stored format and arithmetic as kernels/int4_gemm.py (read its docstring first): x in the fragment's k
-order, the per-group affine map applied to each group's product,
+Same stored format, k permutation and per-group affine map as kernels/int4_gemm.py (read its docstring first):
   sum_k x_k (q_k - z) s = s * (sum_k x_k (128 + q_k) - (128 + z) X),
-and the weight-stationary tile: a program owns 64 output columns and one of SPLIT_K slices of K.
-With x from the prep kernel (`_prep_kernel`) the operands are fp16 instead, because fp16's 10 mantissa bits
-hold a nibble at bits 4-7 of a half as well as at bits 0-3: a word unpacks with one shift and four lop3 (bf16:
-three and four), which made the long loops faster (bench/NOTES.md item 31, call 131: 8192x28672 by 3.7 us
-of 39, 5376x21504 by 1.5, 4096x14336 by 0.5-1.3; the split-8 and split-6 shapes level). Odd k (the nibbles
-at bits 4-7) then read as 1024 + 16 q, even k as 1024 + q, so the prep kernel divides x at odd k by 16 and,
-against fp16's range, scales each row's group by a power of 2 r:
-  r sum_k x_k (q_k - z) = P - C - z X,  C = 1024 Sl + 64 Sh,  X = Sl + Sh  (Sl, Sh: x r summed over even, odd k)
-where P is the fp16 product; the epilogue multiplies by s / r.
+and the same weight-stationary tile: a program owns BLOCK_N = 64 output columns and one of SPLIT_K slices of K.
+What differs is who moves the bytes. A program is a ring of STAGES shared-memory stages, one group of k each,
+with a `full` mbarrier (the stage's bytes have landed) and an `empty` one (the consumers are done with it),
+served by warp-specialised partitions:
+- `_producer`, one warp, issues per group the TMA copies of the weight words [64, g/8] and the scale/zero words
+  [1, 64] (and, with the prep kernel, of x [BLOCK_M, g] and its sums) as soon as the stage is released. The
+  consumers run no address arithmetic and no cp.async, and wait on one barrier a group; scale, zero and the
+  sums arrive with the weights, not as plain loads whose latency the consumers would have to hide.
+- `_consumer`, one warpgroup, moves the weight words from shared memory straight into the wgmma A operand's
+  registers: their layout (`words`) is chosen so that the unpack, join and permutation produce exactly that
+  operand, which `convert_layout(..., assert_trivial=True)` checks at compile time. Each group's product is
+  waited for before the next is issued: with two in flight (two accumulators, `warpgroup_mma_wait(1)`) ptxas
+  serialises every wgmma (C7514).
+- `_stager`, one warp, in one launch only: x by cp.async X_DEPTH groups ahead into a staging ring, then
+  permuted in registers into the stage with its sums. Its per-group chain runs beside the producer's, so it
+  does not delay the weights' copies, and it costs no warps: Gluon pads the one-warp producer partition to a
+  warpgroup, so a program is 8 warps with or without it.
 
-What differs, and why it is faster on the large shapes (bench/NOTES.md, item 17):
-- One producer warp issues four TMA copies per group of k (the weight words [64, g/8], x [BLOCK_M, g], the
-  scale/zero words [1, 64] and the group sums X) into a ring of shared-memory stages, each with a `full`
-  mbarrier (TMA completion) and an `empty` one (released by the consumers). The consumer warpgroup runs no
-  address arithmetic, no cp.async and one barrier of its own 128 threads per group (the compiler's, before the
-  release arrive): Triton's version spends two block-wide barriers per k-tile around its cp.async ring and
-  plain loads for scale/zero/X whose latency it must hide by hand.
-- The weight words go from shared memory straight into the tensor-core fragment's registers: the words'
-  layout (`words` in `_consumer`) is chosen so that the unpack, join and permutation produce exactly the wgmma A-operand
-  layout (checked at compile time: `convert_layout(..., assert_trivial=True)`).
-- 64 registers per thread (no spills; 80: slower than Triton on every large shape). Gluon pads the one-warp
-  producer partition to a warp group, so a program is 8 warps and 4 fit an SM (Nsight Compute, item 23); at 48
-  registers with the producer at 24, 5 fit, which loses in the overlap mode (more of the next call's programs
-  land greedily on the SMs that free first).
-- Under programmatic dependent launch (`int4_gemm.USE_PDL`) the programs start while the prep kernel runs and
-  issue their first ring of weight and scale/zero copies before waiting for it (0.4-0.8 us a call, item 18).
-  Overlap mode, for grids of >= TRIGGER_PER_SM programs per SM (item 22): the GEMM lets the next kernel launch
-  at its start (griddepcontrol.launch_dependents), so back to back the next call's programs issue their first
-  ring during this call's tail. Sparser grids do not: the block scheduler places programs that arrive while
-  SMs are busy greedily (0 to 4 on an SM), which they do not absorb (4096x14336 unsplit: 14.3 -> 18.5 us).
-  A call's first kernel (the prep kernel, or the GEMM in one launch) is itself a programmatic dependent only
-  after a launch of ours that triggers (`kernels._jit`): after one that does not, that cost 0.7-2.6 us.
-- The product is BLOCK_M = 8 wide for M <= 8 (wgmma n = 8; Triton's dot would fall back to mma.sync), with
-  x padded to BLOCK_M rows by the prep kernel so that no TMA box reaches past the tensor.
-- One launch up to a per-shape M (the 4th CONFIGS entry, `one_launch_m`; items 21 and 28): a stager warp stages
-  x itself (cp.async of x in natural order X_DEPTH groups ahead into a staging ring, then permuted in registers
-  into the stage with its sums: `_stager`) beside the producer warp, which then issues only the weights'
-  copies (`_producer`), so no prep kernel runs. Staged by the producer warp itself (items 21-27), x
-  made that warp's per-group chain set the pace on long loops; in a warp of its own it beat both that and the
-  bf16 prep path at small M on every tuned shape (call 106). Against the fp16 prep path (item 31, call 132) it
-  still wins at every M on the split shapes of few groups a program (14336x4096 by 0.9-2.2 us, 21504x5376 by
-  0.8-2.8, the small shapes by about 1), on 4096x14336 up to M = 2, and on the long unsplit loops at no M
-  (5376x21504, 4096x28672, 8192x28672): there the stager's permutation and sums, up to 8 rows a group, compete
-  with the consumer warps for issue slots (two stager warps taking alternate groups were no faster than one).
-  Only the first ROWS = next power of 2 >= M rows are copied and permuted: the stage's other rows repeat them,
-  and their products land in output rows >= M, which are never stored (item 27: the same bits). x shares the
-  weights' stage (one barrier pair a group): a ring of x of its own, or a slot of x per group, costs the consumers
-  one more barrier wait a group and was slower on every shape (item 29, which also prices the parts apart).
-Each group's product is waited for before the next is issued: keeping it in flight (two alternating
-accumulators, `warpgroup_mma_wait(1)`) compiles, but ptxas then serialises every wgmma (C7514).
+x reaches the stages in one of two ways:
+- With the prep kernel (`_prep_kernel`), in fp16: fp16's 10 mantissa bits hold a nibble at bits 4-7 of a half
+  as well as at bits 0-3, so a word unpacks with one shift and four lop3 (bf16: three and four), which shortens
+  the consumers' chain on long loops of groups. Odd k (the nibbles read in place at bits 4-7) then read as
+  1024 + 16 q, even k as 1024 + q, so the prep kernel divides x at odd k by 16 and, against fp16's range,
+  scales each row's group by a power of 2 r:
+    r sum_k x_k (q_k - z) = P - C - z X,  C = 1024 Sl + 64 Sh,  X = Sl + Sh  (Sl, Sh: x r summed over even, odd k)
+  where P is the fp16 product; the epilogue multiplies by s / r. It writes x in the fragment order, padded to
+  BLOCK_M rows, and per group C, X and 1/r for the BLOCK_M rows (rows >= M zero) into a [K/g, 4 BLOCK_M]
+  float32 buffer: 128 or 256 bytes a group, because a TMA destination must be 128-byte aligned.
+- In one launch (M <= a config's 4th entry, one_launch_m), in bf16 by the stager, which writes what the prep
+  kernel would for the first ROWS = the next power of 2 >= M rows: the stage's other rows repeat them, and
+  their products land in output rows >= M, which are never stored. x shares the weights' stage: a ring or a
+  slot of x of its own costs the consumers one more barrier wait a group, more than the decoupling frees.
+  One launch takes the prep kernel's launch and its wait off the critical path; on long loops of groups the
+  stager's permutation and sums compete with the consumers for issue slots, hence the per-shape limit.
 
-`_prep_kernel` writes x in the fragment order, padded to BLOCK_M rows, and per group C, X and 1/r for the BLOCK_M
-rows (rows >= M zero) into a [K/g, 4 BLOCK_M] float32 buffer: 128 or 256 bytes a group, because a TMA destination
-must be 128-byte aligned (the stager writes its sums X into the first BLOCK_M of the same stage buffer).
+Launch:
+- The product is BLOCK_M = 8 wide for M <= 8 (wgmma n = 8, where Triton's dot would fall back to mma.sync),
+  else 16; x is padded to BLOCK_M rows so that no TMA box reaches past its tensor.
+- 64 registers a thread, no spills (the 16-wide product takes 80: under 64 ptxas serialises its wgmma), so 4
+  programs fit an SM. Fewer registers fit 5, which loses back to back: more of the next call's programs land
+  greedily on the SMs that free first.
+- Under programmatic dependent launch (`int4_launch.USE_PDL`) the programs start while the previous kernel runs
+  and issue their first ring of weight and scale/zero copies before waiting for it (`_first_ring`): those bytes
+  depend on no earlier kernel.
+- Overlap mode, for grids of >= TRIGGER_PER_SM programs per SM: the GEMM lets the next kernel launch at its
+  start (griddepcontrol.launch_dependents), so back to back the next call's programs issue their first ring
+  during this call's tail. Sparser grids do not: the block scheduler places programs that arrive while SMs are
+  busy greedily (0 to 4 on an SM), which a sparse grid does not absorb. A call's first kernel (the prep kernel,
+  or the GEMM in one launch) is itself a programmatic dependent only after a launch of ours that triggers
+  (`kernels._jit`): after one that does not, waiting costs more than it saves.
+- Split-K as in int4_gemm: fp32 partials, summed in split order by the last program of a column tile to arrive.
 Only on a Hopper GPU (TMA, wgmma, cp.async), group 128, N % 64 == 0, and not while a graph is being traced
 (`usable`); everything else takes kernels/int4_gemm.py, which the CPU tests run under the interpreter.
+Measured on the H200: bench/NOTES.md.
 """
 
 from __future__ import annotations
@@ -77,16 +74,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels import int4_launch
 from kernels._jit import TUNED_SMS, capability, last_launch_triggers, lazy_jit, note_launch, sm_count
 
 GROUP = 128
 BLOCK_N = 64
 MAX_SPLIT = 16
 
-# (split, stages, registers[, one_launch_m]) per (K, N), from the tune on the H200 (bench/NOTES.md, items 17,
-# 21-23, 28 and 31; calls 37, 51, 59-61, 73, 104, 106, 131 and 132), for the shapes where this path beat
-# kernels/int4_gemm.py (None: a shape it did not; `bench.kernels --tune` redoes it); one_launch_m: x staged by the
-# kernel itself (one launch) at M <= one_launch_m (<= 8), by the prep kernel above. Other shapes: `pick`.
+# (split, stages, registers[, one_launch_m]) per (K, N), tuned on the H200 (bench/results/h200-int4-tune.json,
+# "gluon"; `bench.kernels --tune` redoes it) for the shapes where this path beats kernels/int4_gemm.py (None: a
+# shape where it does not); one_launch_m: x staged by the kernel itself (one launch) at M <= one_launch_m (<= 8),
+# by the prep kernel above. Other shapes: `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {
     (4096, 14336): (2, 4, 64, 2),  # split 2: enough programs per SM for the overlap mode
     (14336, 4096): (8, 4, 64, 8),
@@ -95,11 +93,11 @@ CONFIGS: dict[tuple[int, int], tuple | None] = {
     (8192, 28672): (1, 4, 64),
     (4096, 128256): (1, 4, 64),  # Llama-3-8B lm_head
     (4096, 28672): (1, 4, 64),   # fused gate|up
-    (4096, 4096): (8, 2, 64, 8), (4096, 1024): (8, 4, 64, 8), (4096, 6144): (4, 2, 64, 8),  # 2 stages: item 23
+    (4096, 4096): (8, 2, 64, 8), (4096, 1024): (8, 4, 64, 8), (4096, 6144): (4, 2, 64, 8),
 }
-X_DEPTH = 2  # groups of x the stager copies ahead (1 and 2 level in calls 101 and 104)
+X_DEPTH = 2  # groups of x the stager copies ahead (deeper is no faster: its chain, not x's latency, sets its pace)
 MIN_WEIGHTS = 1 << 25  # untuned shapes below this many weights stay on the Triton kernel
-# A grid of at least this many programs per SM runs in the overlap mode (module docstring, bench/NOTES.md item 22).
+# A grid of at least this many programs per SM runs in the overlap mode (module docstring).
 TRIGGER_PER_SM = 3
 
 
@@ -247,9 +245,9 @@ def _stage_x(xw, bar, x_s, xs_s):
 def _stager(xw_ptr, stride_xw, M, full, empty, x_smem, xs_smem, staging, g0, n_g, pdl):
     """One warp, one launch, no prep kernel: x by cp.async into a staging ring DEPTH groups ahead, then, once the
     consumers released the stage, permuted from there into it with its sums (`_stage_x`). A warp of its own, beside
-    `_producer`, so its per-group chain (copy wait, two warp barriers, the permutation, the fence, the
-    arrive) no longer delays the weights' copies (bench/NOTES.md item 28); it takes one of the three warps Gluon
-    pads the producer's warp group with, so a program is still 8 warps."""
+    `_producer`, so that its per-group chain (copy wait, two warp barriers, the permutation, the fence, the
+    arrive) does not delay the weights' copies; it takes one of the three warps Gluon pads the producer's warp
+    group with, so a program is still 8 warps."""
     STAGES: gl.constexpr = x_smem.type.shape[0]
     DEPTH: gl.constexpr = staging.type.shape[0] - 1
     layout: gl.constexpr = _x_words(staging.type.shape[2])
@@ -392,7 +390,10 @@ def _int4_mm_kernel(w_desc, x_desc, sz_desc, xs_desc, xw_ptr, y_ptr, ws_ptr, cnt
         mbarrier.invalidate(full.index(i))
         mbarrier.invalidate(empty.index(i))
 
-    # split-K as in int4_gemm: fp32 partials, the last program of a column tile to arrive sums them in order
+    # Split-K as in int4_gemm: fp32 partials, the last program of a column tile to arrive sums them in order.
+    # The same protocol is written out in int4_gemm._int4_mm_kernel: a Gluon kernel cannot call a @triton.jit
+    # function (Gluon's tensors carry explicit layouts, Triton's do not, and the Triton kernel must also run
+    # under the interpreter), so the protocol is written twice: a change to one is a change to both.
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     out_ok = (offs_n < N)[:, None] & (offs_m < M)[None, :]
@@ -465,7 +466,6 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     """x [M, K] bf16 (M <= 16) times the INT4 weight [N, K] (group 128) -> [M, N] bf16, on this path.
     config: (split, stages, registers[, one_launch_m]): x staged in the kernel itself (one launch, no prep kernel)
     at M <= one_launch_m where x's rows are 16-byte aligned, else by the prep kernel."""
-    from kernels import int4_gemm  # (int4_gemm imports this module for its dispatch)
     split, stages, regs, *rest = config
     M, K = x.shape
     N = packed.shape[0]
@@ -478,7 +478,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
     regs = regs if block_m == 8 else max(regs, 80)  # (a 16-wide product under 64 registers serialises its wgmma)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((split * M, N), dtype=torch.float32, device=x.device) if split > 1 else y
-    pdl = int4_gemm.USE_PDL
+    pdl = int4_launch.USE_PDL
     trigger = pdl and triggers(N, split, x.device)  # the overlap mode (module docstring)
     follows = pdl and last_launch_triggers(x.device)  # the call's first kernel launched as a dependent
     w_layout, x_layout, words = _shared_layouts(block_m)
@@ -495,7 +495,7 @@ def launch(x, packed, scale_zero, config, out=None) -> torch.Tensor:
         x_desc = TensorDescriptor.from_tensor(xp, [block_m, GROUP], x_layout)
         xs_desc = TensorDescriptor.from_tensor(xs, [1, 4 * block_m], words)
         xw = None
-    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_gemm.counters(x.device),
+    _int4_mm_kernel[(N // BLOCK_N, split)](w_desc, x_desc, sz_desc, xs_desc, xw, y, ws, int4_launch.counters(x.device),
                                            M, N, K, x.stride(0) // 2, y.stride(0), GROUP=GROUP, BLOCK_N=BLOCK_N,
                                            BLOCK_M=block_m, SPLIT_K=split, STAGES=stages, REGS=regs, PDL=pdl,
                                            X_LAYOUT=x_layout, X_DEPTH=X_DEPTH if one_launch else 0,

@@ -29,8 +29,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels._jit import TUNED_SMS, lazy_jit, note_launch, pdl_capable, sm_count
+from kernels.rule import SMALL_M_LIMIT
 
-MAX_M = 16
+MAX_M = SMALL_M_LIMIT  # the most query rows a call takes (kernels.rule)
 LOG2E = 1.4426950408889634
 
 
@@ -149,7 +150,8 @@ def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_
 
 # ----------------------------------------------------------------------------- launch
 
-# Launch configuration, set from the tuning runs on the H200 (bench/NOTES.md).
+# Launch configuration, tuned on the H200 (bench/results/h200-sdpa-tune.json; `bench.kernels --tune --tune-sdpa`
+# redoes it).
 CONFIG = dict(block_n=64, warps=4, stages=3, programs_per_sm=2, min_tiles_per_split=4)
 USE_PDL = True  # programmatic dependent launch of the reduce kernel (GPU only)
 

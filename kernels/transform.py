@@ -15,7 +15,7 @@ The model's own code (cache writes, masks, the layer loop) is untouched: only th
 the linears, the norms, RoPE and the SwiGLU product changes. Move the model to CUDA in bfloat16 before or
 after; the kernels need bf16 activations.
 Run one eager forward before capturing a CUDA graph: it compiles the kernels and allocates the split-K
-arrival counters (kernels.int4_gemm.counters) outside the capture.
+arrival counters (kernels.int4_launch.counters) outside the capture.
 Out of scope: embeddings stay bf16; batch > 1 on the cached path (the model refuses it anyway).
 """
 
@@ -29,6 +29,7 @@ from kernels import dispatch
 from kernels._jit import note_launch
 from kernels.int4_gemm import quantize_int4
 from kernels.norm_rope import rms_norm, rope, swiglu
+from kernels.rule import check_max_m
 from models.layers import MLP, Attention, RMSNorm
 
 
@@ -36,7 +37,7 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group: int, max_m: int):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group, self.max_m = group, dispatch.check_max_m(max_m)
+        self.group, self.max_m = group, check_max_m(max_m)
         packed, scale_zero = quantize_int4(linear.weight.detach(), group)
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zero", scale_zero)
@@ -169,7 +170,7 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
     fuse=True: q/k/v and gate/up each become one GEMM over concatenated weights (SharedInputInt4), as
     vLLM's QKV and gate|up layers do (fewer, larger launches: faster at T <= max_m, bench/NOTES.md).
     norm_rope=True: RMSNorm, RoPE and the SwiGLU product as one launch each (kernels.norm_rope)."""
-    dispatch.check_max_m(max_m)
+    check_max_m(max_m)
     windows = {}
     cfg = getattr(model, "cfg", None)
     for i, layer in enumerate(getattr(model, "layers", [])):

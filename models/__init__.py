@@ -11,7 +11,7 @@ from models.checkpoint import (
     save_target,
     validate_draft,
 )
-from models.config import TINY, DraftConfig, TargetConfig, check_taps, default_taps, tiny_taps
+from models.config import TINY, DraftConfig, TargetConfig, check_taps, default_taps
 from models.draft import Eagle3Draft
 from models.hf import load_hf_target
 from models.speculator import Speculator
@@ -22,5 +22,5 @@ __all__ = [
     "TINY", "DraftConfig", "TargetConfig", "Transformer", "Eagle3Draft", "Speculator",
     "tiny_target", "tiny_draft", "draft_config_for", "load_hf_target", "save_target", "load_target",
     "load_speculators", "save_speculators", "validate_draft", "read_safetensors_dir", "check_taps",
-    "default_taps", "tiny_taps",
+    "default_taps",
 ]

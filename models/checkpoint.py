@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from models.config import DraftConfig, TargetConfig, check_taps
@@ -53,7 +54,11 @@ def read_safetensors_dir(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]
             raise FileNotFoundError(f"{path}: no model.safetensors, {INDEX_FILE} or *.safetensors found")
     tensors, origin = {}, {}
     for f in files:
-        for k, v in load_file(str(path / f)).items():
+        try:
+            loaded = load_file(str(path / f))
+        except (OSError, SafetensorError) as e:  # truncated, not a safetensors file, unreadable
+            raise ValueError(f"{path / f} is not a readable safetensors file ({e})") from None
+        for k, v in loaded.items():
             if k in tensors:
                 raise ValueError(f"{path / f}: tensor {k!r} also present in {origin[k]}")
             if weight_map is not None and weight_map.get(k) != f:
@@ -279,7 +284,9 @@ def load_speculators(path, target: Transformer | TargetConfig | None = None, *, 
 
     max_seq_len: the draft cache size; default the target's max_seq_len, else the checkpoint's
     max_position_embeddings. A checkpoint without embed_tokens.weight (vLLM shares the target's) needs a
-    Transformer target, whose embedding is copied; one without t2d gets t2d derived from d2t.
+    Transformer target, whose embedding is copied; one that carries it must carry the target's own (the
+    draft's embedding is a frozen copy: another one means the draft was trained for another target). One
+    without t2d gets t2d derived from d2t.
     """
     path = Path(path)
     target_cfg = target.cfg if isinstance(target, Transformer) else target
@@ -301,4 +308,9 @@ def load_speculators(path, target: Transformer | TargetConfig | None = None, *, 
             draft.t2d[ids] = True
     if target_cfg is not None:
         validate_draft(draft, target_cfg)
+    own_embedding = "embed_tokens.weight" in tensors and isinstance(target, Transformer)
+    if own_embedding and cfg.hidden_size == target.cfg.hidden_size and not torch.equal(
+            draft.embed_tokens.weight.float().cpu(), target.embed_tokens.weight.float().cpu()):
+        raise ValueError("draft/target mismatch: the draft's embed_tokens differs from the target's (the draft's "
+                         "embedding is a frozen copy of its target's: trained for another target?)")
     return draft.eval()

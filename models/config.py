@@ -6,8 +6,8 @@ Both are plain dataclasses with no framework behind them. `TargetConfig.to_dict(
 
 Tap layers follow the Hugging Face `hidden_states` index convention: index 0 is the embedding output,
 index k is the residual stream after decoder layer k-1 (before the final norm), so valid indices are
-[0, L]. `tap_layers=None` means the vLLM/EAGLE default (2, L//2, L-3), which is only a valid list for
-L >= 7; small test models therefore carry explicit taps (see `tiny_taps`).
+[0, L]. `tap_layers=None` means `default_taps(L)`: vLLM's and EAGLE-3's (2, L//2, L-3) where that list is
+strictly ascending (L >= 7), and low, middle and top layers on shallower targets.
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ ROPE_SCALING_TYPES = ("default", "linear", "llama3")
 
 
 def default_taps(n_layers: int) -> tuple[int, int, int]:
-    """vLLM's and EAGLE-3's default tap layers (HF index convention)."""
-    return (2, n_layers // 2, n_layers - 3)
-
-
-def tiny_taps(n_layers: int) -> tuple[int, int, int]:
-    """Three ascending taps for any L >= 2: the default where it is valid, else low/mid/top layers."""
+    """Three strictly ascending tap layers for any L >= 2 (HF index convention): vLLM's and EAGLE-3's
+    (2, L//2, L-3) for L >= 7, where it is valid; below that, the same low/middle/top intent pushed apart
+    until ascending (L = 3 gives (1, 2, 3), L = 4..6 give (2, 3, 4))."""
     if n_layers >= 7:
-        return default_taps(n_layers)
+        return (2, n_layers // 2, n_layers - 3)
     a = min(2, n_layers - 2)
     b = max(a + 1, n_layers // 2)
     return (a, b, max(b + 1, n_layers - 3))
@@ -88,7 +85,7 @@ class TargetConfig:
     sliding_window: list | None = None
     max_seq_len: int = 128
     tap_layers: tuple | None = None
-    # Beyond the contract's list, needed by real checkpoints:
+    # Needed by real checkpoints:
     o_bias: bool = False  # Llama/Qwen3 attention_bias also puts a bias on o_proj
     rope_scaling: dict | None = None  # None, {"rope_type": "linear"|"llama3", ...}
 
@@ -170,4 +167,4 @@ class DraftConfig:
 
 
 # The tiny shape used by tests and the smoke pipeline: 4 layers, hidden 64, vocab 256.
-TINY = TargetConfig(tap_layers=tiny_taps(4))
+TINY = TargetConfig()

@@ -121,7 +121,7 @@ def load_hf_target(path, *, max_seq_len: int | None = None, tap_layers=None,
     """-> (Transformer in eval mode, path of tokenizer.json or None).
 
     max_seq_len: KV cache / RoPE table size (default min(max_position_embeddings, 4096)).
-    tap_layers: explicit taps (default (2, L//2, L-3), checked only when taps are used).
+    tap_layers: explicit taps (default models.default_taps(L), checked only when taps are used).
     """
     path = Path(path)
     cfg_file = path / "config.json"

@@ -6,19 +6,17 @@ import dataclasses
 
 import torch
 
-from models.config import TINY, DraftConfig, tiny_taps
+from models.config import TINY, DraftConfig
 from models.draft import Eagle3Draft
 from models.target import Transformer
 
 
 def tiny_target(seed: int = 0, **overrides) -> Transformer:
-    """TINY with `overrides`; when n_layers changes without explicit taps, taps = tiny_taps(n_layers).
+    """TINY with `overrides` (taps: `default_taps(n_layers)` unless given).
 
     PyTorch's default init (not HF's std 0.02) is kept on purpose: it gives well separated logits, so
     greedy comparisons between code paths are not decided by float noise on near ties.
     """
-    if "n_layers" in overrides and "tap_layers" not in overrides:
-        overrides["tap_layers"] = tiny_taps(overrides["n_layers"])
     cfg = dataclasses.replace(TINY, **overrides)
     torch.manual_seed(seed)
     return Transformer(cfg).eval()

@@ -5,10 +5,7 @@ subtrees and its upstream keys (`plan_keys`, a pure function of the config), the
 the store or build it (`Store.get_or_build`, under a file lock; the log says "cached <stage> <key>").
 The eval stage is not content-addressed: it runs every time and writes into the Hydra job directory.
 
-A stage that does not exist yet (no module, or its `run` raises NotImplementedError itself) stops the job
-with a message saying so and exit status 3, after the stages before it have run.
-
-Every job writes `<job dir>/result.json` (what ran, keys, reports; read by the multirun callback) and ends
+Every job writes `<job dir>/result.json` (what ran, keys, reports; read by the multirun summary) and ends
 by printing where the artifacts, the job directory and the MLflow store are.
 """
 
@@ -21,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from types import ModuleType
 
@@ -31,18 +27,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline import stages, tracking
-from pipeline.callbacks import RESULT_FILE
+from pipeline.sweep import RESULT_FILE
 from pipeline.store import Artifact, Store, cache_key, git_commit
 
 log = logging.getLogger("pipeline")
 
-EXIT_NOT_BUILT = 3
 # conf/ sits beside the packages at the repository root (the package is installed editable, `pip install -e`).
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-def outputs_dir(cfg: DictConfig) -> Path:
-    return Path(cfg.paths.outputs).absolute()
 
 
 def stages_until(cfg: DictConfig) -> tuple[str, ...]:
@@ -114,23 +105,6 @@ def needed_stages(mods: dict[str, ModuleType], keys: dict[str, str | None], stor
     return needed
 
 
-def load_stages(names: tuple[str, ...], package: str) -> tuple[dict[str, ModuleType], stages.StageNotBuilt | None]:
-    """The importable stage modules in order, stopping at the first one not built (returned as the error)."""
-    mods = {}
-    for name in names:
-        try:
-            mods[name] = stages.load(name, package)
-        except stages.StageNotBuilt as e:
-            return mods, e
-    return mods, None
-
-
-def _raised_by(exc: BaseException, mod: ModuleType) -> bool:
-    """True when the innermost frame of the traceback is in the stage module itself."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and Path(frames[-1].filename).resolve() == Path(mod.__file__).resolve()
-
-
 class Job:
     """One Hydra job: runs the stages, tracks them, records the result."""
 
@@ -141,16 +115,15 @@ class Job:
         self.job_num = job_num
         self.overrides = list(overrides or [])
         self.sweep_dir = sweep_dir
-        self.outputs = outputs_dir(cfg)
         self.store = Store(Path(cfg.paths.store).absolute())
-        self.tracker = tracking.open_tracker(cfg.tracking, self.outputs)
+        self.tracker = tracking.open_tracker(cfg.tracking, cfg.paths.outputs)
         self.results: dict[str, dict] = {}
         self.run_id: str | None = None
 
     def run(self) -> dict:
-        """Run the stages; returns {stage: Artifact | report}. Raises StageNotBuilt after the built ones."""
+        """Run the stages; returns {stage: Artifact | report}."""
         names = stages_until(self.cfg)
-        mods, not_built = load_stages(names, self.cfg.stage_package)
+        mods = {name: stages.load(name, self.cfg.stage_package) for name in names}
         add_fingerprints(self.cfg, mods)
         keys = plan_keys(self.cfg, mods)
         commit = git_commit(Path(__file__).parent)
@@ -170,8 +143,6 @@ class Job:
                         artifacts[stage_name] = self._run_stage(stage_name, mod, keys, artifacts, commit)
                     else:
                         self._note_unneeded(stage_name, keys[stage_name])
-                if not_built is not None:
-                    raise not_built
             status = "ok"
             return artifacts
         finally:
@@ -205,12 +176,7 @@ class Job:
             with self.tracker.run(name, parent=self.run_id, tags=stage_tags,
                                   params=tracking.flatten(subtrees)) as stage_run:
                 with tracking.activate(self.tracker, stage_run):
-                    try:
-                        report = mod.run(self.cfg, upstream, out)
-                    except NotImplementedError as e:
-                        if _raised_by(e, mod):
-                            raise stages.StageNotBuilt(name, f"{mod.__name__}.run raised NotImplementedError") from e
-                        raise
+                    report = mod.run(self.cfg, upstream, out)
                 report = dict(report or {})
                 report.setdefault("seconds", round(time.perf_counter() - t0, 2))
                 self.tracker.log_metrics(stage_run, tracking.numeric(report))
@@ -249,7 +215,7 @@ class Job:
         lines.append(f"store:   {self.store.root}   (python -m pipeline.store list|verify --root {self.store.root})")
         if self.tracker.enabled:
             lines.append(f"MLflow:  {self.tracker.uri}   (run {self.run_id})")
-            lines.append(f"  look at it with: {tracking.ui_command(self.tracker.uri)}")
+            lines.append(f"  look at it with: {tracking.ui_command(self.tracker.uri, self.tracker.experiment_id)}")
         else:
             lines.append("MLflow:  off (tracking.enabled=false)")
         return "\n".join(lines)
@@ -288,10 +254,5 @@ def main(cfg: DictConfig) -> None:
     set_threads(cfg, parallel_jobs(hc) if multirun else 1)
     job = Job(cfg, Path(hc.runtime.output_dir), job_num=hc.job.num if multirun else 0,
               overrides=list(hc.overrides.task), sweep_dir=Path(hc.sweep.dir) if multirun else None)
-    try:
-        job.run()
-    except stages.StageNotBuilt as e:
-        print(job.summary())
-        log.error("%s: stopping here. Stages run so far are listed above.", e)
-        sys.exit(EXIT_NOT_BUILT)
+    job.run()
     print(job.summary())

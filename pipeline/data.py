@@ -41,11 +41,12 @@ from pathlib import Path
 
 import numpy as np
 
+from runner.text import EOS_TOKENS, eos_id
+
 log = logging.getLogger(__name__)
 
-BOS, EOS = "<|bos|>", "<|eos|>"
+BOS, EOS = "<|bos|>", EOS_TOKENS[0]
 SPECIAL_TOKENS = (BOS, EOS)
-EOS_CANDIDATES = (EOS, "<|endoftext|>", "</s>", "<eos>", "<|im_end|>", "<|end_of_text|>")
 
 
 @dataclass(frozen=True)
@@ -201,15 +202,6 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, max_bytes: int | None
     )
     tok.train_from_iterator(texts, trainer)
     return tok
-
-
-def eos_id(tokenizer) -> int | None:
-    """The id of the first known end-of-text token the tokenizer has (ours, or a common HF one)."""
-    for name in EOS_CANDIDATES:
-        i = tokenizer.token_to_id(name)
-        if i is not None:
-            return i
-    return None
 
 
 def encode(tokenizer, texts: Sequence[str], eos: int | None = None) -> np.ndarray:

@@ -24,7 +24,7 @@ every slot that was not written, and later writes overwrite rejected slots, so n
 Constant methods (no inputs; `execute([])` returns a one-element list):
 
     get_max_m -> int                 largest verify window; the runner accepts K in [1, max_m-1]
-    get_chain_len -> int             the default K only (runtime.chain overrides it)
+    get_chain_len -> int             the default K, export.default_chain (runtime.chain overrides it)
     get_max_seq_len -> int           cache length of target and draft
     get_vocab_size -> int            V
     get_draft_vocab_size -> int      Vd
@@ -43,8 +43,8 @@ Bounds. The ExecuTorch runtime REJECTS a T above a method's exported maximum (se
 0x10) but ACCEPTS a T below its minimum; the runner enforces the lower bounds. input_pos is not
 range-checked inside the graph (no data-dependent guards): positions must stay below max_seq_len.
 
-Dispatch rule: written once, as kernels.dispatch.use_small_m (M <= max_m: the small-M kernels, else the
-dense path; DESIGN §5). `check_dispatch_windows` refuses any exported target T range whose ends fall on
+Dispatch rule: written once, as kernels.rule.use_small_m (M <= max_m: the small-M kernels, else the
+dense path; docs/design.md §5; torch-free, so reading it loads no Triton). `check_dispatch_windows` refuses any exported target T range whose ends fall on
 different sides, so every K resolves to the same kernels and the same numerics: [2, max_m] and T = 1 are
 fine by construction, prefill needs min_prefill_chunk > max_m. draft_decode is exempt: its numerics change
 acceptance, never the output, and its range [1, max_prefill] must straddle. (XNNPACK and portable have no
@@ -76,6 +76,8 @@ from torch import nn
 from torch.export import Dim, export
 from tqdm.auto import tqdm
 
+from kernels.rule import use_small_m
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("portable", "xnnpack")
@@ -88,23 +90,22 @@ METHODS = TARGET_METHODS + ("draft_decode",)
 def check_dispatch_windows(windows: Mapping[str, tuple[int, int]], max_m: int) -> None:
     """Refuse any exported T range [lo, hi] whose ends fall on different sides of the dispatch rule.
 
-    The rule itself is kernels.dispatch.use_small_m (M <= max_m: small-M kernels, else the dense path),
+    The rule itself is kernels.rule.use_small_m (M <= max_m: small-M kernels, else the dense path),
     monotonic in M, so checking both ends of a range checks all of it.
     """
-    from kernels.dispatch import use_small_m
 
     for name, (lo, hi) in windows.items():
         if use_small_m(lo, max_m) != use_small_m(hi, max_m):
             raise ValueError(
                 f"{name} T range [{lo}, {hi}] straddles the dispatch threshold max_m={max_m}: rows M <= {max_m} "
-                f"take the small-M kernels and M > {max_m} the dense path (kernels.dispatch.use_small_m), so "
+                f"take the small-M kernels and M > {max_m} the dense path (kernels.rule.use_small_m), so "
                 f"results would depend on T. "
                 + ("Raise export.min_prefill_chunk above max_m." if name == "prefill" else
                    "Pick max_m so that the range lies on one side of it.")
             )
 
 
-def check_export_args(*, max_m: int, chain_len: int, min_prefill_chunk: int, max_prefill_chunk: int,
+def check_export_args(*, max_m: int, default_chain: int, min_prefill_chunk: int, max_prefill_chunk: int,
                       max_seq_len: int, backend: str, quant: str, group_size: int) -> None:
     """Every refusal that does not need the model, raised before any tracing or lowering."""
     if backend not in BACKENDS:
@@ -121,8 +122,8 @@ def check_export_args(*, max_m: int, chain_len: int, min_prefill_chunk: int, max
     if max_m > max_seq_len:
         raise ValueError(f"export.max_m={max_m} is larger than the model's max_seq_len={max_seq_len} "
                          f"(a verify window cannot exceed the KV cache)")
-    if not 1 <= chain_len <= max_m - 1:
-        raise ValueError(f"export.chain={chain_len}: the default K must lie in [1, max_m-1] = [1, {max_m - 1}]")
+    if not 1 <= default_chain <= max_m - 1:
+        raise ValueError(f"export.default_chain={default_chain}: the default K must lie in [1, max_m-1] = [1, {max_m - 1}]")
     if not min_prefill_chunk <= max_prefill_chunk <= max_seq_len:
         raise ValueError(f"prefill chunk range [{min_prefill_chunk}, {max_prefill_chunk}] must satisfy "
                          f"min <= max <= max_seq_len={max_seq_len}")
@@ -229,13 +230,13 @@ def graph_ops(program) -> tuple[int, dict[str, int]]:
     return delegates, dict(sorted(outside.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def constant_methods(speculator: nn.Module, *, max_m: int, chain_len: int, max_prefill_chunk: int,
+def constant_methods(speculator: nn.Module, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                      min_prefill_chunk: int, manifest_hash: str, backend: str, quant: str) -> dict:
     """The zero-input methods of the program (names and types in the module docstring)."""
     target, draft = speculator.target.cfg, speculator.draft
     return {
         "get_max_m": max_m,
-        "get_chain_len": chain_len,
+        "get_chain_len": default_chain,
         "get_max_seq_len": target.max_seq_len,
         "get_vocab_size": target.vocab_size,
         "get_draft_vocab_size": draft.cfg.draft_vocab_size,
@@ -264,7 +265,7 @@ def _tracing_mode(speculator: nn.Module):
             draft.check_gaps = saved
 
 
-def export_pte(speculator: nn.Module, *, max_m: int, chain_len: int, max_prefill_chunk: int,
+def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "none", group_size: int = 32,
                out_path: Path | str, manifest_hash: str, progress: bool = True) -> dict:
     """Lower `speculator` (a models.Speculator) into one .pte at `out_path`; return a JSON-able report.
@@ -278,7 +279,7 @@ def export_pte(speculator: nn.Module, *, max_m: int, chain_len: int, max_prefill
 
     target, draft = speculator.target, speculator.draft
     max_seq_len = target.cfg.max_seq_len
-    check_export_args(max_m=max_m, chain_len=chain_len, min_prefill_chunk=min_prefill_chunk,
+    check_export_args(max_m=max_m, default_chain=default_chain, min_prefill_chunk=min_prefill_chunk,
                       max_prefill_chunk=max_prefill_chunk, max_seq_len=max_seq_len, backend=backend,
                       quant=quant, group_size=group_size)
     if draft.cfg.max_seq_len < max_seq_len:
@@ -289,7 +290,7 @@ def export_pte(speculator: nn.Module, *, max_m: int, chain_len: int, max_prefill
         raise ValueError(f"manifest_hash must be 64 lowercase hex chars (a sha256), got {manifest_hash!r}")
 
     t_start = time.perf_counter()
-    report: dict = {"backend": backend, "quant": quant, "max_m": max_m, "chain_len": chain_len,
+    report: dict = {"backend": backend, "quant": quant, "max_m": max_m, "default_chain": default_chain,
                     "min_prefill_chunk": min_prefill_chunk, "max_prefill_chunk": max_prefill_chunk,
                     "max_seq_len": max_seq_len, "manifest_hash": manifest_hash}
     speculator.eval()
@@ -335,7 +336,7 @@ def export_pte(speculator: nn.Module, *, max_m: int, chain_len: int, max_prefill
     bar.close()
     del exported
 
-    constants = constant_methods(speculator, max_m=max_m, chain_len=chain_len,
+    constants = constant_methods(speculator, max_m=max_m, default_chain=default_chain,
                                  max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,
                                  manifest_hash=manifest_hash, backend=backend, quant=quant)
     t0 = time.perf_counter()

@@ -91,6 +91,19 @@ def hash_tree(root: Path) -> dict[str, str]:
     }
 
 
+def dir_fingerprint(root: Path) -> str:
+    """sha256 over the relative path, size and modification time of every file under root: cheap (no file
+    is read), and it changes when a file is replaced, edited, added or removed. For inputs outside the
+    store (a checkpoint directory) whose change must change a cache key."""
+    h = hashlib.sha256()
+    root = Path(root)
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
 def library_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
     for name in LIBRARIES:

@@ -37,6 +37,9 @@ from filelock import FileLock
 log = logging.getLogger(__name__)
 
 PARENT_RUN_FILE = ".mlflow_parent_run"
+# The experiment's kind, as MLflow records it: model training (runs with metrics), not GenAI (traces, judges,
+# prompts). The UI's view is chosen by the page address (ui_command).
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 BATCH = 100  # MLflow's limit on params per log_batch call
 
@@ -66,10 +69,16 @@ def default_uri(outputs: Path) -> str:
     return f"sqlite:///{Path(outputs).absolute() / 'mlflow.db'}"
 
 
-def ui_command(uri: str) -> str:
-    """The command that opens the MLflow UI on this store (this environment's mlflow when there is one)."""
+UI_PORT = 5000
+
+
+def ui_command(uri: str, experiment_id: str) -> str:
+    """The command that serves the MLflow UI on this store (this environment's mlflow when there is one) and
+    the page to open: the experiment's runs table. MLflow 3.17's UI picks its GenAI or model-training view
+    from the page address (`workflowType`, then remembered by the browser), not from the experiment."""
     exe = Path(sys.executable).parent / "mlflow"
-    return f"{exe if exe.exists() else 'mlflow'} ui --backend-store-uri {uri}"
+    return (f"{exe if exe.exists() else 'mlflow'} ui --backend-store-uri {uri} --port {UI_PORT}, then open "
+            f"http://127.0.0.1:{UI_PORT}/#/experiments/{experiment_id}?workflowType=machine_learning")
 
 
 def _quiet_env() -> None:
@@ -97,9 +106,13 @@ class Tracker:
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
                 location = Path(artifact_root).absolute().as_uri() if artifact_root else None
-                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location,
+                                                                   tags=EXPERIMENT_TAGS)
             else:
                 self.experiment_id = found.experiment_id
+                for k, v in EXPERIMENT_TAGS.items():
+                    if found.tags.get(k) != v:
+                        self.client.set_experiment_tag(self.experiment_id, k, v)
 
     def start_run(self, name: str, *, parent: str | None = None, tags: Mapping | None = None,
                   params: Mapping | None = None) -> str:

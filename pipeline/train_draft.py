@@ -8,7 +8,7 @@ A batch is what the taps stage stores for sequences of T tokens:
     top1   [B,T] int64    the target's argmax at each position (predicts token t+1)
     mask   [B,T] bool     positions whose prediction counts (the generated part of a sequence, say)
 
-Training-time test (DESIGN.md §3) over S = T - N slots, step i = 0..N-1, slot t:
+Training-time test (docs/design.md §3) over S = T - N slots, step i = 0..N-1, slot t:
     input token   ids[t+1+i]          (at inference: the confirmed token for i = 0, then the draft's own
                                        proposals, which equal the target's greedy tokens when accepted)
     feature       fc(taps[t]) for i = 0, else g of step i-1 at slot t
@@ -30,7 +30,6 @@ permutation seeded by (seed, epoch of s), the learning rate is a pure function o
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -40,6 +39,8 @@ from pathlib import Path
 import torch
 
 from models import Eagle3Draft
+from pipeline.schedule import warmup_cosine
+from runner.generate import predicted_tau
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -147,24 +148,16 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, head: Callable, n_steps: int, dec
     return total, stats
 
 
-def acceptance(acc: list[float]) -> float:
-    """Simulated acceptance length 1 + sum_k prod_{j<=k} acc_j (tokens per round if steps were independent)."""
-    total, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        total += run
-    return total
-
-
-def chain_acceptance(hits: torch.Tensor, valid_all: torch.Tensor) -> tuple[float, int]:
-    """(1 + mean leading run of hits over slots whose N labels are all valid, number of such slots).
+def position_acceptance(hits: torch.Tensor, valid_all: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(accepted at position i, slots reaching position i) for i < N, over slots whose N labels all count.
 
     On greedy (generated) data the TTT inputs are the target's own tokens, so a slot's leading run of hits
-    is exactly the number of proposals a chain of length N started there would get accepted.
+    is exactly the number of proposals a chain of N started there gets accepted: position i is reached when
+    the run is at least i and accepted when it is more than i (the eval's acceptance_pos_<i> counts).
     """
-    run = torch.cumprod(hits.to(torch.int64), dim=0).sum(0)  # [B, S]
-    n = int(valid_all.sum())
-    return (1.0 + float(run[valid_all].float().mean())) if n else float("nan"), n
+    run = torch.cumprod(hits.to(torch.int64), dim=0).sum(0)[valid_all]  # [slots]
+    N = hits.shape[0]
+    return [int((run > i).sum()) for i in range(N)], [int((run >= i).sum()) for i in range(N)]
 
 
 # --- optimisation -----------------------------------------------------------------------------------------
@@ -185,11 +178,7 @@ class TrainConfig:
 
 
 def lr_at(step: int, c: TrainConfig) -> float:
-    """Linear warmup to c.lr over c.warmup steps, then cosine decay to c.min_lr at c.steps."""
-    if step < c.warmup:
-        return c.lr * (step + 1) / c.warmup
-    progress = min(1.0, (step - c.warmup) / max(1, c.steps - c.warmup))
-    return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * progress))
+    return warmup_cosine(step, lr=c.lr, min_lr=c.min_lr, warmup=c.warmup, steps=c.steps)
 
 
 def make_optimizer(draft: Eagle3Draft, c: TrainConfig) -> torch.optim.Optimizer:
@@ -242,7 +231,8 @@ def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, batch: Batch, hea
 @torch.no_grad()
 def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, device,
              used: torch.Tensor | None = None, batch_size: int | None = None, autocast: str | None = None) -> dict:
-    """Held-out metrics over all rows of `data`: loss_i, acc_i, sim_accept_len and chain_accept_len.
+    """Held-out metrics over all rows of `data`: loss_i, acc_i, predicted_acceptance_pos_i and predicted_tau
+    (runner.generate.predicted_tau of the per-position acceptance a chain of N would see on these taps).
 
     `autocast` None evaluates in float32, as the exported draft runs (training-time evals pass c.autocast).
     """
@@ -253,7 +243,7 @@ def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, de
     bs = batch_size or c.batch_size
     loss_sum = [0.0] * N
     correct, count = [0] * N, [0] * N
-    runs, run_slots = 0.0, 0
+    accepted, reached = [0] * N, [0] * N
     for start in range(0, n_rows, bs):
         batch = take(data, torch.arange(start, min(n_rows, start + bs)), device)
         with autocast_ctx(torch.device(device), autocast):
@@ -262,11 +252,10 @@ def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, de
         mask = batch["mask"].bool()
         # slots whose N labels (positions t+1 .. t+N) all count
         valid_all = torch.stack([mask[:, 1 + i : 1 + i + S] for i in range(N)]).all(0)
-        length, n = chain_acceptance(stats["hits"], valid_all)
-        if n:
-            runs += (length - 1.0) * n
-            run_slots += n
+        acc_i, reach_i = position_acceptance(stats["hits"], valid_all)
         for i in range(N):
+            accepted[i] += acc_i[i]
+            reached[i] += reach_i[i]
             loss_sum[i] += stats["loss"][i] * stats["count"][i]
             correct[i] += stats["correct"][i]
             count[i] += stats["count"][i]
@@ -274,8 +263,9 @@ def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, de
     acc = [correct[i] / max(1, count[i]) for i in range(N)]
     out = {f"acc_{i}": acc[i] for i in range(N)}
     out.update({f"loss_{i}": loss_sum[i] / max(1, count[i]) for i in range(N)})
-    out["sim_accept_len"] = acceptance(acc)
-    out["chain_accept_len"] = 1.0 + runs / run_slots if run_slots else float("nan")
+    alpha = [accepted[i] / reached[i] if reached[i] else 0.0 for i in range(N)]
+    out.update({f"predicted_acceptance_pos_{i}": alpha[i] for i in range(N)})
+    out["predicted_tau"] = predicted_tau(alpha) if reached[0] else float("nan")
     out["slots"] = count[0]
     return out
 

@@ -1,6 +1,6 @@
-"""The runtime: the speculative loop (runner.generate) over an Engine (the .pte, or the eager modules)."""
+"""The runtime: the speculative loop (runner.generate) over an Engine (runner.engine: the .pte, or the eager
+modules), and the text around it (runner.text). The package itself imports no torch."""
 
-from runner.engine import EagerEngine, Engine, PteEngine
-from runner.generate import GenerationResult, generate, resolve_chain
+from runner import quiet
 
-__all__ = ["Engine", "PteEngine", "EagerEngine", "generate", "GenerationResult", "resolve_chain"]
+quiet.install()

@@ -31,7 +31,7 @@ def report(res, tokenizer) -> str:
 
 def round_table(res) -> str:
     rows = ["round   K   a  emitted  verify_ms  draft_ms"]
-    for i, (k, a, n, v, d) in enumerate(zip(res.chains, res.accepted, res.emitted, res.round_verify_ms,
+    for i, (k, a, n, v, d) in enumerate(zip(res.chain_per_round, res.accepted, res.emitted, res.round_verify_ms,
                                             res.round_draft_ms)):
         rows.append(f"{i:5d} {k:3d} {a:3d} {n:8d} {v:10.2f} {d:9.2f}")
     return "\n".join(rows)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds:
             print(round_table(res))
         elif args.policy == "adaptive":
-            print(f"K per round: {res.chains}")
+            print(f"K per round: {res.chain_per_round}")
         print()
     return 0
 

@@ -1,6 +1,6 @@
 """The engine interface the speculative loop is written against, and its two implementations.
 
-An engine exposes the methods of the exported program (DESIGN.md §4) under the same names:
+An engine exposes the methods of the exported program (docs/design.md §2) under the same names:
 
     prefill(tokens[1,T], input_pos[T])              -> (next_id [1,1], feature [1,T,H], logits [1,V])
     target_verify(tokens[1,T], input_pos[T])        -> (ids [1,T], feature [1,T,H], logits [1,T,V])
@@ -11,7 +11,7 @@ prefill and target_verify share the target KV cache; target_decode uses it too; 
 Every method writes its K/V at `input_pos` and attends to `key_pos <= query_pos`, so a caller never rolls
 back: a later call at the same positions overwrites stale slots, and slots beyond the query are masked.
 
-`meta` holds what the loop needs to pick and check its windows: max_m (largest verify window), chain_len
+`meta` holds what the loop needs to pick and check its windows: max_m (largest verify window), default_chain
 (default K), max_seq_len, vocab_size, draft_vocab_size, max_prefill_chunk, min_prefill_chunk (the exported
 prefill range), sliding_window (smallest window of any layer, or None), manifest_hash, d2t (LongTensor[Vd]).
 
@@ -27,9 +27,11 @@ from typing import Protocol
 
 import torch
 
+from runner import quiet
+
 CONSTANT_METHODS = {
     "max_m": "get_max_m",
-    "chain_len": "get_chain_len",
+    "default_chain": "get_chain_len",
     "max_seq_len": "get_max_seq_len",
     "vocab_size": "get_vocab_size",
     "draft_vocab_size": "get_draft_vocab_size",
@@ -77,7 +79,8 @@ class PteEngine:
         if missing:
             raise ValueError(f"{self.path} lacks the methods {missing} (it has {sorted(names)}); "
                              f"re-export it with the export stage")
-        self._methods = {name: self.program.load_method(name) for name in PROGRAM_METHODS}
+        with quiet.native_stderr():  # the first delegate init probes the CPU and reports ARM-only files
+            self._methods = {name: self.program.load_method(name) for name in PROGRAM_METHODS}
         self.meta = {key: _scalar(self._constant(method)[0]) for key, method in CONSTANT_METHODS.items()}
         self.meta["manifest_hash"] = str(self._constant("get_manifest_hash")[0])  # 64 hex chars (sha256)
         self.meta["d2t"] = self._constant("get_d2t")[0].to(torch.long).clone()
@@ -110,7 +113,7 @@ class EagerEngine:
     """`models.Speculator` run eagerly on `device` (CPU, or CUDA where the kernels plug in). Inputs and
     outputs are CPU tensors, like the .pte's. The prefill/verify bounds default to the export stage's."""
 
-    def __init__(self, speculator, *, max_m: int, chain_len: int, max_prefill_chunk: int,
+    def __init__(self, speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                  min_prefill_chunk: int = 1, device: str | torch.device = "cpu", manifest_hash: str = ""):
         self.device = torch.device(device)
         self.spec = speculator.to(self.device).eval()
@@ -118,7 +121,7 @@ class EagerEngine:
         windows = [w for w in (target_cfg.sliding_window or []) if w]
         self.meta = {
             "max_m": max_m,
-            "chain_len": chain_len,
+            "default_chain": default_chain,
             "max_seq_len": target_cfg.max_seq_len,
             "vocab_size": target_cfg.vocab_size,
             "draft_vocab_size": int(speculator.draft.d2t.numel()),

@@ -1,6 +1,6 @@
 """EAGLE-3 speculative decoding with a run-time chain length K, written against `runner.engine.Engine`.
 
-The shifted scheme (DESIGN.md §4): one target forward per round. The anchor is the newest confirmed token;
+The shifted scheme (docs/design.md §4): one target forward per round. The anchor is the newest confirmed token;
 it is not yet in the target KV cache and is re-fed as row 0 of the next verify window.
 
     prompt: chunked prefill -> bonus (emitted), features F[0:L]; anchor = bonus; P = L
@@ -48,7 +48,7 @@ class GenerationResult:
     prompt_ids: list[int]
     output_ids: list[int]  # emitted tokens, the prefill bonus first
     chain: int  # K asked for (0 = target-only baseline)
-    chains: list[int] = field(default_factory=list)  # K used in each round (budget/cache may shrink it)
+    chain_per_round: list[int] = field(default_factory=list)  # K used in each round (budget/cache may shrink it)
     accepted: list[int] = field(default_factory=list)  # accepted proposals a in each round
     emitted: list[int] = field(default_factory=list)  # tokens emitted in each round (a+1 unless stopped)
     round_verify_ms: list[float] = field(default_factory=list)  # the target forward of each round
@@ -59,7 +59,7 @@ class GenerationResult:
 
     @property
     def rounds(self) -> int:
-        return len(self.chains)
+        return len(self.chain_per_round)
 
     @property
     def verify_ms(self) -> float:
@@ -76,7 +76,7 @@ class GenerationResult:
 
     @property
     def drafted(self) -> int:
-        return sum(self.chains)
+        return sum(self.chain_per_round)
 
     @property
     def acceptance_rate(self) -> float:
@@ -85,8 +85,8 @@ class GenerationResult:
     def position_counts(self, n: int) -> tuple[list[int], list[int]]:
         """(accepted at position i, rounds reaching position i) for i < n. A round reaches i when its
         first i proposals were accepted and it drafted more than i."""
-        acc = [sum(1 for k, a in zip(self.chains, self.accepted) if k > i and a > i) for i in range(n)]
-        reach = [sum(1 for k, a in zip(self.chains, self.accepted) if k > i and a >= i) for i in range(n)]
+        acc = [sum(1 for k, a in zip(self.chain_per_round, self.accepted) if k > i and a > i) for i in range(n)]
+        reach = [sum(1 for k, a in zip(self.chain_per_round, self.accepted) if k > i and a >= i) for i in range(n)]
         return acc, reach
 
     @property
@@ -105,7 +105,7 @@ class GenerationResult:
 
 def resolve_chain(meta: dict, chain: int | None) -> int:
     """K from runtime.chain: None -> the .pte's default, 0 -> baseline, else must lie in [1, max_m-1]."""
-    k = meta["chain_len"] if chain is None else int(chain)
+    k = meta["default_chain"] if chain is None else int(chain)
     if k == 0:
         return 0
     if not 1 <= k <= meta["max_m"] - 1:
@@ -317,6 +317,20 @@ def accept_sampled(props: list[int], qs: list[torch.Tensor], p_logits: torch.Ten
 # Chain-length policies: static K, or adaptive K per round
 
 
+def predicted_tau(acceptance) -> float:
+    """Expected tokens per round of a chain of len(acceptance) proposals: 1 + sum_k prod_{i<=k} alpha_i.
+
+    alpha_i = acceptance[i] is the probability that proposal i is accepted given that proposals 0..i-1
+    were (the eval's `acceptance_pos_<i>`); the 1 is the token verify adds itself (correction or bonus).
+    With these conditional rates the sum is exact, not an independence approximation: prod_{i<=k} alpha_i
+    is the probability that the round accepts more than k proposals."""
+    total, survive = 1.0, 1.0
+    for alpha in acceptance:
+        survive *= alpha
+        total += survive
+    return total
+
+
 class StaticChain:
     def __init__(self, k: int):
         self.k = k
@@ -330,7 +344,7 @@ class StaticChain:
 
 class AdaptiveChain:
     """Picks each round's K in [1, max_k] to maximise expected tokens per millisecond,
-    E(K) / (verify_ms(K+1) + K * draft_step_ms), with E(K) = sum_{j<=K} prod_{i<j} alpha_i.
+    predicted_tau(alpha[:K]) / (verify_ms(K+1) + K * draft_step_ms).
 
     alpha_i (acceptance at position i, given position i was reached) is a count with a prior (`prior`
     with weight `prior_weight`) whose observations fade by `memory` per round: acceptance drifts with the
@@ -368,19 +382,15 @@ class AdaptiveChain:
         below = [s for s in costs if s <= t]
         return costs[max(below)] if below else costs[min(costs)]
 
-    def expected_tokens(self, k: int) -> float:
-        e, survive = 1.0, 1.0
-        for i in range(k):
-            survive *= self.acc[i] / self.reach[i]
-            e += survive
-        return e
+    def predicted_tau(self, k: int) -> float:
+        return predicted_tau([self.acc[i] / self.reach[i] for i in range(k)])
 
     def choose(self) -> int:
         if not self.verify or self.draft[1] == 0:
             return self.k
         costs, step = self.verify_costs(), self.draft[0] / self.draft[1]
         self.k = max(range(1, self.max_k + 1),
-                     key=lambda k: self.expected_tokens(k) / (self.verify_cost(k + 1, costs) + k * step))
+                     key=lambda k: self.predicted_tau(k) / (self.verify_cost(k + 1, costs) + k * step))
         return self.k
 
     def update(self, k: int, a: int, verify_ms: float, draft_ms: float) -> None:
@@ -473,7 +483,7 @@ def generate(
     if k_max > 0 and not out.done:
         draft = Draft(engine, sampler)
         first = draft.seed(prompt[1:] + [anchor], pre.features, 0)
-        chains = AdaptiveChain(meta["max_m"] - 1, k_max) if policy == "adaptive" else StaticChain(k_max)
+        chooser = AdaptiveChain(meta["max_m"] - 1, k_max) if policy == "adaptive" else StaticChain(k_max)
     result.prefill_ms = (time.perf_counter() - t0) * 1e3
 
     t_decode = time.perf_counter()
@@ -483,7 +493,7 @@ def generate(
             out.stop_reason = "cache_full"
             break
         # no drafting past the budget or the cache: K = 0 is a plain target step
-        k = 0 if k_max == 0 else min(chains.choose(), room, out.remaining - 1)
+        k = 0 if k_max == 0 else min(chooser.choose(), room, out.remaining - 1)
         verify_clock, draft_clock = Clock(), Clock()
         if k == 0:
             with verify_clock:
@@ -497,8 +507,8 @@ def generate(
         if k > 0 and not out.done:  # reseed the draft from verify's features (no rollback needed)
             with draft_clock:
                 first = draft.seed(new, fv[0, : a + 1], P - a - 1)
-            chains.update(k, a, verify_clock.ms, draft_clock.ms)
-        result.chains.append(k)
+            chooser.update(k, a, verify_clock.ms, draft_clock.ms)
+        result.chain_per_round.append(k)
         result.accepted.append(a)
         result.emitted.append(n)
         result.round_verify_ms.append(verify_clock.ms)
@@ -508,5 +518,5 @@ def generate(
     result.output_ids = out.ids
     result.stop_reason = out.stop_reason
     if policy == "adaptive" and k_max > 0:
-        log.info("adaptive K per round: %s", result.chains)
+        log.info("adaptive K per round: %s", result.chain_per_round)
     return result

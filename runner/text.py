@@ -5,30 +5,45 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# End-of-text tokens of our tokenizer (<|eos|>) and common HF ones, in the order pipeline.data looks for them.
+# End-of-text tokens of our tokenizer (<|eos|>) and common HF ones, in the order they are looked for.
 EOS_TOKENS = ("<|eos|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>", "<|end_of_text|>")
 
 
+def eos_id(tokenizer) -> int | None:
+    """The id of the first of EOS_TOKENS the tokenizer has, or None."""
+    return next((i for i in map(tokenizer.token_to_id, EOS_TOKENS) if i is not None), None)
+
+
 def read_prompt_file(path: str | Path) -> list[str]:
-    """One prompt per line, or .jsonl with a "prompt" (or "text") field per line."""
+    """One prompt per line, or .jsonl with a "prompt" (or "text") field per line; a file that is not UTF-8
+    text or holds a line that is not such a JSON object is refused naming the file and the line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no prompt file {path}")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    if "\x00" in text:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (it holds NUL bytes)")
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if path.suffix != ".jsonl":
-        return lines
+        return [line for _, line in lines]
     prompts = []
-    for i, line in enumerate(lines):
-        record = json.loads(line)
-        if "prompt" not in record and "text" not in record:
-            raise KeyError(f"{path}:{i + 1}: a .jsonl prompt needs a 'prompt' or 'text' field")
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"prompt file {path}: line {n} is not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or ("prompt" not in record and "text" not in record):
+            raise ValueError(f"prompt file {path}: line {n} needs a 'prompt' or 'text' field")
         prompts.append(str(record["prompt"] if "prompt" in record else record["text"]))
     return prompts
 
 
 def stop_ids(tokenizer, extra=()) -> list[int]:
     """The tokenizer's end-of-text token plus `extra` stop tokens (token strings, or ids as ints/digits)."""
-    eos = next((i for i in map(tokenizer.token_to_id, EOS_TOKENS) if i is not None), None)
+    eos = eos_id(tokenizer)
     ids = [] if eos is None else [eos]
     for s in extra or ():
         tid = int(s) if str(s).isdigit() else tokenizer.token_to_id(str(s))

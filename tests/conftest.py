@@ -38,7 +38,7 @@ def tiny_pte(tmp_path_factory):
     `.path`, `.speculator()` (a fresh eager copy with the same weights) and the export arguments."""
     from pipeline.export_pte import export_pte
 
-    args = dict(max_m=6, chain_len=3, max_prefill_chunk=16, min_prefill_chunk=8, backend="portable")
+    args = dict(max_m=6, default_chain=3, max_prefill_chunk=16, min_prefill_chunk=8, backend="portable")
     path = tmp_path_factory.mktemp("tiny_pte") / "model.pte"
     report = export_pte(_tiny_speculator(), out_path=path, manifest_hash=hashlib.sha256(b"tiny").hexdigest(),
                         progress=False, **args)

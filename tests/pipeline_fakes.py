@@ -14,7 +14,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# name -> (UPSTREAM, CONFIG_KEYS), as in CONTRACT.md but without `data` (its fingerprint reads the corpus).
+# name -> (UPSTREAM, CONFIG_KEYS), as the real stages declare them but without `data` (its fingerprint reads
+# the corpus) and `seed`.
 SPECS = {
     "target": ((), ("target",)),
     "taps": (("target",), ("taps",)),
@@ -30,6 +31,7 @@ from pipeline import tracking
 SCHEMA_VERSION = 1
 UPSTREAM = {upstream!r}
 CONFIG_KEYS = {keys!r}
+CONTENT_ADDRESSED = {content_addressed!r}
 
 
 def run(cfg, upstream, out):
@@ -43,19 +45,18 @@ BODY = {
     "eval": '''chain = cfg.runtime.chain or 0
     (out / "metrics.json").write_text(json.dumps({{"chain": chain}}))
     return {{"chain": chain, "tau": 1.0 + chain}}''',
-    "not_implemented": '''raise NotImplementedError("{name}")''',
 }
 
 
-def write_fake_stages(root: Path, names=tuple(SPECS), not_implemented=()) -> Path:
+def write_fake_stages(root: Path, names=tuple(SPECS)) -> Path:
     pkg = Path(root) / "fakestages"
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text("")
     for name in names:
         upstream, keys = SPECS[name]
-        kind = "not_implemented" if name in not_implemented else ("eval" if name == "eval" else "content")
-        body = BODY[kind].format(name=name)
-        (pkg / f"{name}.py").write_text(STAGE.format(upstream=upstream, keys=keys, body=body))
+        body = BODY["eval" if name == "eval" else "content"].format(name=name)
+        (pkg / f"{name}.py").write_text(STAGE.format(upstream=upstream, keys=keys, body=body,
+                                                     content_addressed=name != "eval"))
     return pkg
 
 

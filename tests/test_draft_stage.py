@@ -9,6 +9,7 @@ from pipeline import tracking
 from pipeline.stages import draft as draft_stage
 from pipeline.stages import taps
 from pipeline.store import Store
+from runner.generate import predicted_tau
 
 CODE = "".join(f"class C{i}:\n    def get(self, x):\n        return self.v{i % 5} + x\n\n" for i in range(200))
 V = 300
@@ -69,8 +70,10 @@ def test_train_writes_a_speculators_draft_that_fits_the_target(env, trained):
     assert r["target_key"] == upstream["target"].key and r["taps_key"] == upstream["taps"].key
     accs = [r[f"held_out_acc_{i}"] for i in range(7)]
     assert all(0 <= a <= 1 for a in accs)
-    assert r["sim_accept_len"] == pytest.approx(draft_stage.td.acceptance(accs), abs=1e-3)
-    assert 1 <= r["chain_accept_len"] <= 8 and r["steps"] == 6 and r["vocab_coverage"] == 1.0
+    alpha = [r[f"predicted_acceptance_pos_{i}"] for i in range(7)]
+    assert all(0 <= a <= 1 for a in alpha)
+    assert r["predicted_tau"] == pytest.approx(predicted_tau(alpha), abs=1e-3)
+    assert 1 <= r["predicted_tau"] <= 8 and r["steps"] == 6 and r["vocab_coverage"] == 1.0
 
 
 def test_train_logs_step_metrics_and_held_out_acceptance(trained):
@@ -79,7 +82,7 @@ def test_train_logs_step_metrics_and_held_out_acceptance(trained):
     assert len(steps) == 6
     assert set(steps[0]) >= {"loss", "lr", *(f"loss_{i}" for i in range(7)), *(f"acc_{i}" for i in range(7))}
     held = [(s, m) for s, m in logged if "held_out_acc_0" in m]
-    assert held and held[-1][0] == 6 and "held_out_sim_accept_len" in held[-1][1] and "epoch" in held[-1][1]
+    assert held and held[-1][0] == 6 and "held_out_predicted_tau" in held[-1][1] and "epoch" in held[-1][1]
 
 
 def test_a_reduced_draft_vocab_gets_a_real_d2t(env):

@@ -5,21 +5,23 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import sweep
 from pipeline.stages import eval as eval_stage
 from runner.generate import GenerationResult
+from runner.text import eos_id
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 METRIC_NAMES = {"chain", "max_m", "pte_sha256", "tokens_per_s", "baseline_tokens_per_s", "speedup", "tau",
-                "draft_acceptance_rate", "verify_ms_per_round", "draft_ms_per_round", "prefill_ms", "rounds",
+                "acceptance_rate", "verify_ms_per_round", "draft_ms_per_round", "prefill_ms", "rounds",
                 "emitted_tokens", "lossless", "n_prompts"}
 
 
-def fake_run(chain, chains, accepted, n_out, decode_ms):
-    r = GenerationResult(prompt_ids=[1, 2], output_ids=list(range(n_out)), chain=chain, chains=chains,
+def fake_run(chain, chain_per_round, accepted, n_out, decode_ms):
+    r = GenerationResult(prompt_ids=[1, 2], output_ids=list(range(n_out)), chain=chain, chain_per_round=chain_per_round,
                          accepted=accepted, emitted=[a + 1 for a in accepted], prefill_ms=2.0, decode_ms=decode_ms)
-    r.round_verify_ms = [1.0] * len(chains)
-    r.round_draft_ms = [0.5] * len(chains)
+    r.round_verify_ms = [1.0] * len(chain_per_round)
+    r.round_draft_ms = [0.5] * len(chain_per_round)
     return r
 
 
@@ -28,7 +30,7 @@ def test_metrics_have_exactly_the_issue_names():
     spec = fake_run(3, [3, 3, 3], [3, 1, 0], 8, 30.0)  # emits 4 + 2 + 1 after the bonus
     m = eval_stage.metrics([(base, spec)], chain=3, max_m=8, pte_sha256="ab", lossless=True, n_positions=3)
     assert set(m) == METRIC_NAMES | {"acceptance_pos_0", "acceptance_pos_1", "acceptance_pos_2"}
-    assert m["tau"] == pytest.approx(7 / 3) and m["draft_acceptance_rate"] == pytest.approx(4 / 9)
+    assert m["tau"] == pytest.approx(7 / 3) and m["acceptance_rate"] == pytest.approx(4 / 9)
     assert m["acceptance_pos_0"] == pytest.approx(2 / 3)  # rounds 1, 2 of 3 accepted position 0
     assert m["acceptance_pos_1"] == pytest.approx(1 / 2) and m["acceptance_pos_2"] == pytest.approx(1 / 1)
     assert m["tokens_per_s"] == pytest.approx(7 / 0.030) and m["baseline_tokens_per_s"] == pytest.approx(9 / 0.090)
@@ -55,7 +57,7 @@ def test_held_out_prompts_are_seeded_windows_inside_one_document(tmp_path):
     cfg = {"kind": "text", "paths": files, "held_out_fraction": 0.3, "max_bytes": None, "text_field": "text"}
     docs = data.documents(cfg)
     tok = data.train_tokenizer(data.split(docs, "train"), vocab_size=300)
-    eos = data.eos_id(tok)
+    eos = eos_id(tok)
     prompts = eval_stage.held_out_prompts(cfg, tok, 6, 24, seed=0)
     assert len(prompts) == 6 and all(len(p) == 24 and eos not in p for p in prompts)
     assert eval_stage.held_out_prompts(cfg, tok, 6, 24, seed=0) == prompts
@@ -75,7 +77,7 @@ def test_prompt_files_and_stop_tokens(tmp_path):
     assert read_prompt_file(tmp_path / "p.txt") == ["def f(x):", "class A:"]
     assert read_prompt_file(tmp_path / "p.jsonl") == ["import os", "x = 1"]
     tok = data.train_tokenizer(["hello world\n" * 50], vocab_size=280)
-    assert stop_ids(tok, ["hello", 7]) == [data.eos_id(tok), tok.token_to_id("hello"), 7]
+    assert stop_ids(tok, ["hello", 7]) == [eos_id(tok), tok.token_to_id("hello"), 7]
     with pytest.raises(ValueError, match="not a single token"):
         stop_ids(tok, ["no such token here"])
 
@@ -84,16 +86,16 @@ def test_sweep_summary_table_plot_and_best_k(tmp_path):
     children = []
     for n, (k, tps, tau, base) in enumerate([(1, 150.0, 1.8, 100.0), (2, 210.0, 2.6, 100.0), (4, 250.0, 3.1, 150.0)]):
         report = {"chain": k, "tokens_per_s": tps, "baseline_tokens_per_s": base, "speedup": tps / base, "tau": tau,
-                  "draft_acceptance_rate": 0.7, "verify_ms_per_round": 8.0, "draft_ms_per_round": 2.0,
+                  "acceptance_rate": 0.7, "verify_ms_per_round": 8.0, "draft_ms_per_round": 2.0,
                   "lossless": 1, "pte_sha256": "abc"}
         children.append({"job_num": n, "overrides": [f"runtime.chain={k}"], "status": "ok",
                          "stages": {"eval": {"report": report}}})
     children.append({"job_num": 3, "overrides": ["runtime.chain=9"], "status": "failed", "stages": {}})
-    summary = eval_stage.summarize_sweep(children, tmp_path)
+    summary = sweep.summarize(children, tmp_path)
     assert summary == {"best_chain": 2, "best_tokens_per_s": 210.0, "best_speedup": 2.1, "best_tau": 2.6}
     assert "best K = 2" in (tmp_path / "summary.md").read_text()
     assert (tmp_path / "summary.png").stat().st_size > 1000
-    assert eval_stage.summarize_sweep(children[3:], tmp_path) == {}
+    assert sweep.summarize(children[3:], tmp_path) == {}
 
 
 # ---------------------------------------------------------------------------------------------------------

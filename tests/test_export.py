@@ -28,7 +28,7 @@ if os.environ.get("EXPORT_TEST_INT4", "1") != "0":
 
 
 def export_cfg(**over):
-    ec = dict(backend="xnnpack", quant="none", group_size=32, max_m=MAX_M, chain=CHAIN,
+    ec = dict(backend="xnnpack", quant="none", group_size=32, max_m=MAX_M, default_chain=CHAIN,
               max_prefill_chunk=MAX_PREFILL, min_prefill_chunk=MIN_PREFILL)
     ec.update(over)
     return OmegaConf.create({"export": ec})
@@ -75,7 +75,7 @@ def exported(request, pair, tmp_path_factory):
         spec = t.speculator()
         return types.SimpleNamespace(
             path=t.path, report=t.report, backend=backend, quant=quant, eager=t.speculator, max_m=t.max_m,
-            chain_len=t.chain_len, min_prefill_chunk=t.min_prefill_chunk, max_prefill_chunk=t.max_prefill_chunk,
+            default_chain=t.default_chain, min_prefill_chunk=t.min_prefill_chunk, max_prefill_chunk=t.max_prefill_chunk,
             vocab_size=spec.target.cfg.vocab_size, draft_vocab_size=spec.draft.cfg.draft_vocab_size,
             max_seq_len=spec.target.cfg.max_seq_len, manifest_hash=t.report["manifest_hash"])
     out = tmp_path_factory.mktemp(f"export_{backend}_{quant}")
@@ -83,7 +83,7 @@ def exported(request, pair, tmp_path_factory):
     facts = export_stage.pairing_facts(pair[0].path, pair[1].path, eager(pair))
     return types.SimpleNamespace(
         path=out / export_stage.PTE, report=report, backend=backend, quant=quant, eager=lambda: eager(pair, quant),
-        max_m=MAX_M, chain_len=CHAIN, min_prefill_chunk=MIN_PREFILL, max_prefill_chunk=MAX_PREFILL,
+        max_m=MAX_M, default_chain=CHAIN, min_prefill_chunk=MIN_PREFILL, max_prefill_chunk=MAX_PREFILL,
         vocab_size=256, draft_vocab_size=128, max_seq_len=MAX_SEQ, manifest_hash=export_stage.hash_facts(facts))
 
 
@@ -192,7 +192,7 @@ def test_window_above_max_m_is_refused_by_the_runtime(exported):
 def test_constant_methods_read_back(exported):
     x = exported
     prog, spec = program(x.path), x.eager()
-    want = {"get_max_m": x.max_m, "get_chain_len": x.chain_len, "get_max_seq_len": x.max_seq_len,
+    want = {"get_max_m": x.max_m, "get_chain_len": x.default_chain, "get_max_seq_len": x.max_seq_len,
             "get_vocab_size": x.vocab_size, "get_draft_vocab_size": x.draft_vocab_size,
             "get_max_prefill_chunk": x.max_prefill_chunk, "get_min_prefill_chunk": x.min_prefill_chunk,
             "get_hidden_size": 64, "get_backend": x.backend, "get_quant": x.quant,
@@ -225,8 +225,8 @@ def no_lowering(monkeypatch):
     (dict(max_m=MAX_SEQ + 1, min_prefill_chunk=MAX_SEQ + 2), r"max_m=65 is larger than .*max_seq_len=64"),
     (dict(min_prefill_chunk=MAX_M), r"prefill T range \[4, 16\] straddles the dispatch threshold"),
     (dict(min_prefill_chunk=2), r"straddles the dispatch threshold max_m=4"),
-    (dict(chain=MAX_M), r"chain=4.*\[1, 3\]"),
-    (dict(chain=0), r"chain=0"),
+    (dict(default_chain=MAX_M), r"default_chain=4.*\[1, 3\]"),
+    (dict(default_chain=0), r"default_chain=0"),
     (dict(backend="portable", quant="int4"), r"int4 needs export=xnnpack"),
     (dict(backend="cuda"), r"backend='cuda'"),
     (dict(max_prefill_chunk=MAX_SEQ + 1), r"max_seq_len=64"),
@@ -238,7 +238,7 @@ def test_bad_export_config_is_refused_before_lowering(over, match, pair, tmp_pat
 
 def test_export_pte_checks_its_arguments_before_tracing(pair, tmp_path, no_lowering):
     spec = eager(pair)
-    common = dict(chain_len=1, max_prefill_chunk=16, min_prefill_chunk=5, out_path=tmp_path / "m.pte",
+    common = dict(default_chain=1, max_prefill_chunk=16, min_prefill_chunk=5, out_path=tmp_path / "m.pte",
                   manifest_hash="0" * 64)
     with pytest.raises(ValueError, match="max_m"):
         export_lib.export_pte(spec, max_m=1, **common)
@@ -289,7 +289,7 @@ def test_stage_loads_the_stored_target_unchanged(pair):
 
 
 def test_sliding_window_constant_is_the_smallest_window():
-    args = dict(max_m=4, chain_len=1, max_prefill_chunk=16, min_prefill_chunk=5, manifest_hash="0" * 64,
+    args = dict(max_m=4, default_chain=1, max_prefill_chunk=16, min_prefill_chunk=5, manifest_hash="0" * 64,
                 backend="portable", quant="none")
     for window, want in (([8, None], 8), (None, 0)):
         target = make_target(sliding_window=window)

@@ -255,7 +255,7 @@ def replays_match_eager(calls, x, check=lambda outs: None, replays: int = 2):
 
 def test_only_grids_of_three_programs_per_sm_trigger_the_next_launch():
     """A sparse grid must not let the next call's programs start early: the block scheduler piles them onto a
-    few SMs (bench/NOTES.md, item 22)."""
+    few SMs (kernels/int4_gluon.py, overlap mode)."""
     from kernels import int4_gluon
     cpu = torch.device("cpu")  # counts as the tuned GPU's SMs
     sms = G.sm_count(cpu)

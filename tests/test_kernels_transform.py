@@ -8,7 +8,6 @@ import copy
 import pytest
 import torch
 
-from kernels import dispatch
 from kernels.int4_gemm import dequantize_int4
 from kernels.transform import Int4Linear, to_kernels
 from models.config import TargetConfig
@@ -52,12 +51,6 @@ def models(request):
 
 def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def test_dispatch_rule():
-    assert dispatch.use_small_m(4, 4) and not dispatch.use_small_m(5, 4)
-    with pytest.raises(ValueError):
-        dispatch.check_max_m(17)
 
 
 @torch.no_grad()

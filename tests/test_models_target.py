@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from models import TINY, TargetConfig, Transformer, check_taps, load_target, save_target, tiny_target
+from models import TINY, TargetConfig, Transformer, check_taps, default_taps, load_target, save_target, tiny_target
 from models.layers import attention_mask
 
 # Variants exercising every option on the cached path (each must still equal a full recompute).
@@ -114,10 +114,19 @@ def test_cached_forward_refuses_batch_and_overflow():
         model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([15, 16]))
 
 
-def test_default_taps_and_refusals():
-    assert TargetConfig(n_layers=60).taps == (2, 30, 57)
+def test_default_taps_are_valid_for_every_depth_and_vllms_where_that_is_valid():
+    for n_layers in range(3, 65):
+        taps = TargetConfig(n_layers=n_layers).taps  # validated: 3 strictly ascending ints in [0, L]
+        assert taps == check_taps(default_taps(n_layers), n_layers)
+        if n_layers >= 7:
+            assert taps == (2, n_layers // 2, n_layers - 3), n_layers
+    assert TargetConfig(n_layers=60).taps == (2, 30, 57) and TargetConfig(n_layers=6).taps == (2, 3, 4)
+    assert TargetConfig(n_layers=3).taps == (1, 2, 3)
+
+
+def test_bad_taps_are_refused():
     with pytest.raises(ValueError, match=r"\[2, 2, 1\] invalid for a 4-layer target"):
-        TargetConfig(n_layers=4).taps
+        TargetConfig(n_layers=4, tap_layers=[2, 2, 1])
     for bad in ([3, 2, 1], [1, 1, 2], [0, 1, 5], [1, 2], [1.0, 2, 3], [-1, 0, 1]):
         with pytest.raises(ValueError, match=re.escape(str(bad))):
             TargetConfig(n_layers=4, tap_layers=bad)

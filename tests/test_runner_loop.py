@@ -31,10 +31,10 @@ def one_hot_logits(ids, n):
 
 
 class ToyEngine:
-    def __init__(self, *, vocab=V, max_m=5, chain_len=3, max_seq_len=64, max_prefill=8, min_prefill=4, wrong=None,
+    def __init__(self, *, vocab=V, max_m=5, default_chain=3, max_seq_len=64, max_prefill=8, min_prefill=4, wrong=None,
                  target_table=None, draft_table=None, draft_vocab=None):
         self.vocab = vocab
-        self.meta = dict(max_m=max_m, chain_len=chain_len, max_seq_len=max_seq_len, vocab_size=vocab,
+        self.meta = dict(max_m=max_m, default_chain=default_chain, max_seq_len=max_seq_len, vocab_size=vocab,
                          draft_vocab_size=vocab, max_prefill_chunk=max_prefill, min_prefill_chunk=min_prefill,
                          sliding_window=None, manifest_hash="toy")
         self.draft_vocab = torch.arange(vocab) if draft_vocab is None else torch.tensor(draft_vocab)
@@ -125,14 +125,14 @@ PROMPT = [1, 5, 2, 7, 3, 9]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The forced paths of DESIGN.md §6
+# The forced paths (docs/design.md §7)
 
 
 def test_forced_full_acceptance_takes_the_bonus_every_round():
     eng = ToyEngine(max_m=5)
     res = generate(eng, PROMPT, chain=4, max_new_tokens=1 + 5 * 4)
     assert res.output_ids == greedy_reference(PROMPT, 21)
-    assert res.chains == [4] * 4 and res.accepted == [4] * 4 and res.emitted == [5] * 4
+    assert res.chain_per_round == [4] * 4 and res.accepted == [4] * 4 and res.emitted == [5] * 4
     assert res.tau == 5 and res.acceptance_rate == 1.0
     assert eng.calls["target_verify"] == 4  # one target forward per round
 
@@ -143,7 +143,7 @@ def test_forced_partial_acceptance():
     assert res.output_ids == greedy_reference(PROMPT, 19)
     assert res.accepted == [2] * 6 and res.tau == 3
     acc, reach = res.position_counts(4)
-    assert res.chains == [4] * 5 + [2]  # the budget shrinks the last round
+    assert res.chain_per_round == [4] * 5 + [2]  # the budget shrinks the last round
     assert acc == [6, 6, 0, 0] and reach == [6, 6, 5, 0]
 
 
@@ -187,7 +187,7 @@ def test_a_budget_of_one_token_returns_only_the_bonus():
 def test_the_budget_clips_the_last_round():
     res = generate(ToyEngine(max_m=5), PROMPT, chain=4, max_new_tokens=8)
     assert res.output_ids == greedy_reference(PROMPT, 8) and res.stop_reason == "budget"
-    assert res.chains == [4, 1]  # no point drafting past the budget
+    assert res.chain_per_round == [4, 1]  # no point drafting past the budget
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def test_prefill_windows_respect_the_exported_ranges():
 
 
 def test_chunked_prefill_feeds_the_draft_the_features_of_every_prompt_position():
-    eng = ToyEngine(max_prefill=4, min_prefill=4, max_m=3, chain_len=2)
+    eng = ToyEngine(max_prefill=4, min_prefill=4, max_m=3, default_chain=2)
     prompt = [(5 * i + 1) % V for i in range(15)]  # 4 + 4 + 4 + verify 3 (< min_prefill)
     res = generate(eng, prompt, max_new_tokens=12)
     assert res.chain == 2 and res.output_ids == greedy_reference(prompt, 12)
@@ -256,7 +256,7 @@ def test_a_chain_outside_the_valid_range_is_refused_with_the_range(k):
 
 
 def test_chain_none_means_the_programs_default():
-    assert generate(ToyEngine(chain_len=3), PROMPT, chain=None, max_new_tokens=9).chains[0] == 3
+    assert generate(ToyEngine(default_chain=3), PROMPT, chain=None, max_new_tokens=9).chain_per_round[0] == 3
 
 
 def test_a_prompt_too_long_for_the_cache_is_refused_naming_both_lengths():
@@ -277,7 +277,7 @@ def test_adaptive_policy_is_lossless_and_keeps_k_in_range():
     eng = ToyEngine(max_m=8, wrong=lambda r, j: j == r % 4)
     res = generate(eng, PROMPT, chain=3, max_new_tokens=50, policy="adaptive")
     assert res.output_ids == greedy_reference(PROMPT, 50)
-    assert all(1 <= k <= 7 for k in res.chains)
+    assert all(1 <= k <= 7 for k in res.chain_per_round)
 
 
 @pytest.mark.parametrize("accept_upto, expect", [(7, 7), (1, 1)])
@@ -333,7 +333,7 @@ def test_rejection_sampling_matches_the_target_distribution():
     for seed in range(n):
         res = generate(eng, prompt, chain=2, max_new_tokens=4, temperature=temperature, seed=seed)
         counts[res.output_ids[1], res.output_ids[2]] += 1
-        rejected += res.accepted[0] < res.chains[0]
+        rejected += res.accepted[0] < res.chain_per_round[0]
     tv = 0.5 * (counts / n - exact).abs().sum().item()
     assert tv < 0.06, tv
     assert 0 < rejected < n  # both paths (accept, resample from the residual) were exercised

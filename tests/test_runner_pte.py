@@ -9,7 +9,8 @@ the baseline run), optionally spoiled at chosen positions, while every call stil
 import pytest
 import torch
 
-from runner import EagerEngine, PteEngine, generate
+from runner.engine import EagerEngine, PteEngine
+from runner.generate import generate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -24,7 +25,7 @@ def pte(tiny_pte):
 @pytest.fixture(scope="module")
 def eager(tiny_pte, pte):
     m = pte.meta
-    return EagerEngine(tiny_pte.speculator(), max_m=m["max_m"], chain_len=m["chain_len"],
+    return EagerEngine(tiny_pte.speculator(), max_m=m["max_m"], default_chain=m["default_chain"],
                        max_prefill_chunk=m["max_prefill_chunk"], min_prefill_chunk=m["min_prefill_chunk"])
 
 
@@ -91,7 +92,7 @@ def test_forced_acceptance_through_the_pte(pte, spoil):
                  "alternate": lambda j: j == k // 2}[spoil]
         res = generate(Oracle(pte, seq, wrong), PROMPT[:n], chain=k, max_new_tokens=30)
         assert res.output_ids == base.output_ids, (spoil, k)
-        full = [a for c, a in zip(res.chains, res.accepted) if c == k]
+        full = [a for c, a in zip(res.chain_per_round, res.accepted) if c == k]
         expect = {None: k, 0: 0, 1: min(1, k), "alternate": k // 2}[spoil]
         assert full and all(a == expect for a in full), (spoil, k, res.accepted)
         if spoil is None:  # k + 1 tokens per round, one target_verify each
@@ -116,7 +117,7 @@ def test_chain_out_of_range_is_refused_naming_the_range_from_the_pte(pte):
     for k in (max_m, -1, max_m + 3):
         with pytest.raises(ValueError, match=rf"K={k} is outside the valid range \[1, {max_m - 1}\]"):
             generate(pte, PROMPT[:5], chain=k)
-    assert generate(pte, PROMPT[:5], chain=None, max_new_tokens=5).chain == pte.meta["chain_len"]
+    assert generate(pte, PROMPT[:5], chain=None, max_new_tokens=5).chain == pte.meta["default_chain"]
 
 
 def test_prompt_too_long_is_refused_naming_both_lengths(pte):

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAINS = (1, 2, 4, 7)
-EVAL_METRICS = ("chain", "max_m", "tokens_per_s", "baseline_tokens_per_s", "speedup", "tau", "draft_acceptance_rate",
+EVAL_METRICS = ("chain", "max_m", "tokens_per_s", "baseline_tokens_per_s", "speedup", "tau", "acceptance_rate",
                 "verify_ms_per_round", "draft_ms_per_round", "prefill_ms", "rounds", "emitted_tokens", "lossless",
                 "n_prompts")
 

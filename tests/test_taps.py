@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from models import tiny_target
+from pipeline.artifacts import load_taps
 from pipeline.stages import taps
 from pipeline.store import Store
 
@@ -68,7 +69,7 @@ def test_stage_writes_shards_index_and_report(tmp_path, target_artifact, source)
     assert r["train_tokens"] == 10 * 32 and r["held_out_tokens"] == 4 * 40  # the held-out split has its own lengths
     assert r["bytes_written"] == sum(p.stat().st_size for p in art.path.iterdir() if p.name != "manifest.json")
     assert len(r["tokenizer_sha256"]) == 64
-    train = taps.load_taps(art.path, "train")
+    train = load_taps(art.path, "train")
     assert train["ids"].shape == (10, 32) and train["taps"].shape == (10, 32, 3 * 64)
     assert train["final"].shape == (10, 32, 64) and train["top1"].dtype == torch.int64
     if source == "generate":  # on-policy: past the prompt every token is the target's argmax before it
@@ -80,7 +81,7 @@ def test_stage_writes_shards_index_and_report(tmp_path, target_artifact, source)
         expected[:, 8:] &= (train["ids"][:, 8:] == 1).cumsum(1) == 0
         assert torch.equal(train["mask"], expected)
         assert r["train_counted_tokens"] == expected.sum().item()
-        held = taps.load_taps(art.path, "held_out")
+        held = load_taps(art.path, "held_out")
         assert held["ids"].shape == (4, 40) and torch.equal(held["ids"][:, 12:], held["top1"][:, 11:-1])
     else:
         assert train["mask"].all()

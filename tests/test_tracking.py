@@ -84,3 +84,16 @@ def test_multirun_gives_one_parent_and_a_child_per_job(tmp_path, launcher):
     built = [x for x in runs if x.info.run_name == "export"]
     assert len(built) == 1, "one export for the whole sweep"
     assert len([p for p in (out / "store" / "export").iterdir() if p.is_dir()]) == 1
+
+
+def test_experiment_opens_as_model_training_in_the_ui(tmp_path):
+    from pipeline_fakes import seed_mlflow_db
+
+    seed_mlflow_db(tmp_path)
+    tracker = tracking.open_tracker({"enabled": True, "experiment": "eagle3"}, tmp_path)
+    kind = lambda: tracker.client.get_experiment(tracker.experiment_id).tags.get("mlflow.experimentKind")  # noqa: E731
+    assert kind() == "custom_model_development"
+    tracker.client.delete_experiment_tag(tracker.experiment_id, "mlflow.experimentKind")  # a store made before
+    assert kind() is None
+    tracking.open_tracker({"enabled": True, "experiment": "eagle3"}, tmp_path)
+    assert kind() == "custom_model_development"

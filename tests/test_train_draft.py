@@ -5,6 +5,7 @@ import torch
 
 from models import tiny_draft, tiny_target
 from pipeline import train_draft as td
+from runner.generate import predicted_tau
 
 N = 3  # TTT steps in these tests
 
@@ -32,12 +33,22 @@ def test_token_counts_count_the_targets_argmax_at_counted_positions():
     assert td.token_counts(top1, mask, 5).tolist() == [0, 1, 1, 2, 0]
 
 
-def test_acceptance_length_formulas():
-    assert td.acceptance([1.0, 1.0, 1.0]) == 4.0
-    assert td.acceptance([0.5, 0.5]) == pytest.approx(1.75)
+def test_predicted_tau_and_per_position_acceptance():
+    assert predicted_tau([1.0, 1.0, 1.0]) == 4.0
+    assert predicted_tau([0.5, 0.5]) == pytest.approx(1.75)
+    assert predicted_tau([]) == 1.0
     hits = torch.tensor([[[1, 1, 0]], [[1, 0, 1]], [[0, 1, 1]]], dtype=torch.bool)  # [N=3, B=1, S=3]
-    valid = torch.tensor([[True, True, False]])
-    assert td.chain_acceptance(hits, valid) == (pytest.approx(1 + (2 + 1) / 2), 2)
+    valid = torch.tensor([[True, True, False]])  # leading runs 2 and 1; the third slot does not count
+    assert td.position_acceptance(hits, valid) == ([2, 1, 0], [2, 2, 1])
+
+
+def test_predicted_tau_of_per_position_acceptance_is_one_plus_the_mean_leading_run(seed):
+    hits = torch.rand(7, 4, 50) < torch.rand(7, 1, 1)  # per-step hit rates drawn fresh
+    valid = torch.rand(4, 50) < 0.8
+    accepted, reached = td.position_acceptance(hits, valid)
+    alpha = [a / r if r else 0.0 for a, r in zip(accepted, reached)]
+    runs = [next((i for i in range(7) if not hits[i, b, s]), 7) for b in range(4) for s in range(50) if valid[b, s]]
+    assert predicted_tau(alpha) == pytest.approx(1 + sum(runs) / len(runs)), seed
 
 
 def make_batch(target, B=2, T=12, vocab=None, seed=0):

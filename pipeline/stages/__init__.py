@@ -7,7 +7,6 @@
 
 and optionally `CONTENT_ADDRESSED = False` (the eval stage: runs every time, `out` is the Hydra job dir) and
 `key_extra(cfg) -> dict` (facts outside the config that must enter the key, e.g. an input dir fingerprint).
-A stage whose module is missing, or whose `run` raises NotImplementedError itself, is "not built yet".
 """
 
 from __future__ import annotations
@@ -17,28 +16,17 @@ from types import ModuleType
 
 ORDER = ("target", "taps", "draft", "export", "eval")
 PACKAGE = "pipeline.stages"
-
-
-class StageNotBuilt(RuntimeError):
-    def __init__(self, name: str, why: str):
-        super().__init__(f"stage '{name}' is not built yet ({why})")
-        self.name = name
+INTERFACE = ("SCHEMA_VERSION", "UPSTREAM", "CONFIG_KEYS", "run")
 
 
 def load(name: str, package: str = PACKAGE) -> ModuleType:
-    """Import a stage module and check its interface; StageNotBuilt if it does not exist yet."""
+    """Import a stage module and check its interface."""
     if name not in ORDER:
         raise ValueError(f"unknown stage {name!r}; stages in order: {', '.join(ORDER)}")
-    module_name = f"{package}.{name}"
-    try:
-        mod = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name == module_name:
-            raise StageNotBuilt(name, f"no module {module_name}") from None
-        raise
-    missing = [a for a in ("SCHEMA_VERSION", "UPSTREAM", "CONFIG_KEYS", "run") if not hasattr(mod, a)]
+    mod = importlib.import_module(f"{package}.{name}")
+    missing = [a for a in INTERFACE if not hasattr(mod, a)]
     if missing:
-        raise StageNotBuilt(name, f"{module_name} lacks {', '.join(missing)}")
+        raise TypeError(f"stage module {mod.__name__} lacks {', '.join(missing)}")
     bad = [u for u in mod.UPSTREAM if u not in ORDER[: ORDER.index(name)]]
     if bad:
         raise ValueError(f"stage {name}: UPSTREAM {bad} must name earlier stages of {ORDER}")
@@ -46,4 +34,4 @@ def load(name: str, package: str = PACKAGE) -> ModuleType:
 
 
 def content_addressed(mod: ModuleType) -> bool:
-    return getattr(mod, "CONTENT_ADDRESSED", mod.__name__.rsplit(".", 1)[-1] != "eval")
+    return getattr(mod, "CONTENT_ADDRESSED", True)

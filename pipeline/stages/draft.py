@@ -4,7 +4,7 @@ Artifact: a speculators-layout checkpoint (config.json + model.safetensors with 
 `models.load_speculators(artifact.path, target)`. Its manifest names the target and taps it was built
 from (upstream keys, and `target_key` in the report, which the export stage checks).
 
-`draft=train` (default), DESIGN.md §3, the loop in pipeline/train_draft.py:
+`draft=train` (default), docs/design.md §3, the loop in pipeline/train_draft.py:
 - draft vocab: the `draft_vocab_size` target ids that are most often the target's argmax at counted
   positions of the train taps, sorted; d2t[i] = used[i] - i. A target vocab no larger than
   draft_vocab_size makes the draft vocab the whole vocab (d2t = 0). Coverage is reported.
@@ -18,16 +18,15 @@ from (upstream keys, and `target_key` in the report, which the export stage chec
 `draft=load draft.path=DIR`: a speculators checkpoint, validated against the target (hidden size, vocab,
 tap layers, d2t range and t2d agreement, the frozen embedding); a mismatch fails naming the field.
 
-Both report `held_out_acc_i` (i = 0..N-1; top-1 agreement of TTT step i with the target on the held-out
-taps; the per-step training metrics are `loss`, `loss_i`, `acc_i`, `lr`), `sim_accept_len` = 1 + sum_k prod_{j<=k} acc_j (the tokens per round a chain of N drafts would give
-if the steps were independent) and `chain_accept_len` (the leading run of agreeing steps, averaged: on
-greedy taps, the acceptance a chain of N started at that slot would get).
+Both report, on the held-out taps, `held_out_acc_i` (i = 0..N-1: top-1 agreement of TTT step i with the
+target; the per-step training metrics are `loss`, `loss_i`, `acc_i`, `lr`) and the draft's prediction of
+what the eval measures at K = N: `predicted_acceptance_pos_i` (acceptance at position i given position i is
+reached, from the leading run of agreeing steps, which on greedy taps is exactly what a chain of N started
+at that slot gets accepted) and `predicted_tau` (runner.generate.predicted_tau of those).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from pathlib import Path
 
@@ -36,8 +35,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import tracking
 from pipeline import train_draft as td
-from pipeline.stages.taps import INDEX, load_taps
-from pipeline.store import scratch_dir
+from pipeline.artifacts import load_taps, taps_index
+from pipeline.store import dir_fingerprint, scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +50,7 @@ def key_extra(cfg: DictConfig) -> dict:
     """draft=load: a stat fingerprint of the checkpoint directory, so a checkpoint changed in place reloads."""
     if cfg.draft.kind != "load" or not Path(str(cfg.draft.path)).is_dir():
         return {}
-    h = hashlib.sha256()
-    root = Path(str(cfg.draft.path))
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            st = p.stat()
-            h.update(f"{p.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return {"draft_files": h.hexdigest()}
+    return {"draft_files": dir_fingerprint(Path(str(cfg.draft.path)))}
 
 
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
@@ -69,7 +62,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     target = load_target(Path(target_art.path)).to(device).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    index = json.loads((Path(taps_art.path) / INDEX).read_text())
+    index = taps_index(taps_art.path)
     if tuple(index["tap_layers"]) != target.cfg.taps or index["hidden_size"] != target.cfg.hidden_size:
         raise ValueError(f"draft: taps {taps_art.path} were taken at layers {index['tap_layers']} of width "
                          f"{index['hidden_size']}, the target has {list(target.cfg.taps)} / {target.cfg.hidden_size}")
@@ -95,14 +88,14 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         "ttt_steps": tc.ttt_steps,
         "draft_vocab_size": draft.cfg.draft_vocab_size,
         **{f"held_out_acc_{i}": round(held[f"acc_{i}"], 4) for i in range(tc.ttt_steps)},
-        "sim_accept_len": round(held["sim_accept_len"], 4),
-        "chain_accept_len": round(held["chain_accept_len"], 4),
+        **{f"predicted_acceptance_pos_{i}": round(held[f"predicted_acceptance_pos_{i}"], 4)
+           for i in range(tc.ttt_steps)},
+        "predicted_tau": round(held["predicted_tau"], 4),
         "held_out_loss_0": round(held["loss_0"], 4),
         "held_out_slots": held["slots"],
     })
-    log.info("draft (%s): held-out acc %s, simulated acceptance length %.2f (chain %.2f) for N=%d", dc.kind,
-             " ".join(f"{held[f'acc_{i}']:.3f}" for i in range(tc.ttt_steps)), held["sim_accept_len"],
-             held["chain_accept_len"], tc.ttt_steps)
+    log.info("draft (%s): held-out acc %s, predicted tau %.2f at K=%d", dc.kind,
+             " ".join(f"{held[f'acc_{i}']:.3f}" for i in range(tc.ttt_steps)), held["predicted_tau"], tc.ttt_steps)
     return report
 
 
@@ -172,8 +165,4 @@ def load(dc: DictConfig, target):
         draft = load_speculators(path, target, max_seq_len=target.cfg.max_seq_len)
     except ValueError as e:
         raise ValueError(f"draft=load: {path} does not fit the target: {e}") from e
-    if draft.cfg.hidden_size == target.cfg.hidden_size and not torch.equal(
-            draft.embed_tokens.weight.float().cpu(), target.embed_tokens.weight.float().cpu()):
-        raise ValueError(f"draft=load: {path} does not fit the target: its embed_tokens differ from the "
-                         f"target's (the draft's embedding must be a frozen copy of the target's)")
     return draft, {"source": str(path.absolute()), "params": sum(p.numel() for p in draft.parameters())}

@@ -14,7 +14,7 @@ Writes into the Hydra job directory:
     metrics.json        the names below, also the MLflow metrics of this job (pte_sha256 as a tag)
     generations.jsonl   one line per prompt: prompt, prompt_ids, output_ids, text, tau, lossless, ...
 Metrics: chain, max_m, pte_sha256, tokens_per_s, baseline_tokens_per_s, speedup, tau (tokens emitted per
-round, the prefill bonus excluded), draft_acceptance_rate, acceptance_pos_<i> (i < K; 0 where no round
+round, the prefill bonus excluded), acceptance_rate, acceptance_pos_<i> (i < K; 0 where no round
 reached i), verify_ms_per_round, draft_ms_per_round, prefill_ms (per prompt, target prefill + draft
 seeding), rounds, emitted_tokens, lossless, n_prompts. Throughputs are decode tokens (after the prefill
 bonus) over decode time, summed over prompts. After a one-prompt warm-up of both runs, which is not counted.
@@ -32,9 +32,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from pipeline import data, tracking
+from pipeline.artifacts import PTE, pte_path
 from runner.engine import EagerEngine, PteEngine
 from runner.generate import GenerationResult, generate, resolve_chain
-from runner.text import read_prompt_file, stop_ids
+from runner.text import eos_id, read_prompt_file, stop_ids
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,6 @@ SCHEMA_VERSION = 1
 UPSTREAM = ("target", "draft", "export")
 CONFIG_KEYS = ("runtime", "export", "data")
 CONTENT_ADDRESSED = False
-PTE = "model.pte"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ PTE = "model.pte"
 
 
 def load_engine(cfg: DictConfig, upstream: dict):
-    pte = PteEngine(Path(upstream["export"].path) / PTE)
+    pte = PteEngine(pte_path(upstream["export"]))
     if cfg.runtime.engine == "pte":
         return pte
     if cfg.runtime.engine != "eager":
@@ -60,7 +60,7 @@ def load_engine(cfg: DictConfig, upstream: dict):
     target = load_target(upstream["target"].path)
     draft = load_speculators(upstream["draft"].path, target)
     m = pte.meta  # the same windows as the exported program
-    return EagerEngine(Speculator(target, draft), max_m=m["max_m"], chain_len=m["chain_len"],
+    return EagerEngine(Speculator(target, draft), max_m=m["max_m"], default_chain=m["default_chain"],
                        max_prefill_chunk=m["max_prefill_chunk"], min_prefill_chunk=m["min_prefill_chunk"],
                        device=cfg.runtime.get("device") or "cpu", manifest_hash=m["manifest_hash"])
 
@@ -68,7 +68,7 @@ def load_engine(cfg: DictConfig, upstream: dict):
 def held_out_prompts(data_cfg: dict, tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
     """n windows of `length` tokens from the held-out split, at seeded offsets, none crossing an EOS."""
     stream = data.encode(tokenizer, data.split(data.documents(data_cfg), "held_out"))
-    eos = data.eos_id(tokenizer)
+    eos = eos_id(tokenizer)
     ends = np.append(np.flatnonzero(stream == eos) if eos is not None else [], len(stream)).astype(np.int64)
     starts = np.arange(len(stream))
     valid = starts[ends[np.searchsorted(ends, starts)] >= starts + length]  # the window holds no EOS
@@ -106,7 +106,7 @@ def metrics(runs: list[tuple[GenerationResult, GenerationResult]], *, chain: int
         "baseline_tokens_per_s": baseline_tokens_per_s,
         "speedup": tokens_per_s / baseline_tokens_per_s if baseline_tokens_per_s else 0.0,
         "tau": sum(sum(r.emitted) for r in spec) / rounds if rounds else 0.0,
-        "draft_acceptance_rate": sum(sum(r.accepted) for r in spec) / drafted if drafted else 0.0,
+        "acceptance_rate": sum(sum(r.accepted) for r in spec) / drafted if drafted else 0.0,
     }
     counts = [r.position_counts(n_positions) for r in spec]
     for i in range(n_positions):
@@ -139,9 +139,9 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     chain = resolve_chain(meta, rt.chain)  # K out of [1, max_m-1] stops here, naming the range
     expected = export.manifest.get("report", {}).get("manifest_hash")
     if expected and meta["manifest_hash"] != expected:
-        raise ValueError(f"{Path(export.path) / PTE} reports manifest hash {meta['manifest_hash'][:16]}... but its "
+        raise ValueError(f"{pte_path(export)} reports manifest hash {meta['manifest_hash'][:16]}... but its "
                          f"export artifact says {expected[:16]}...: the .pte does not belong to these artifacts")
-    pte_sha256 = export.manifest.get("files", {}).get(PTE) or hashlib.sha256((Path(export.path) / PTE).read_bytes()).hexdigest()
+    pte_sha256 = export.manifest.get("files", {}).get(PTE) or hashlib.sha256(pte_path(export).read_bytes()).hexdigest()
 
     if rt.prompts:
         texts = read_prompt_file(Path(rt.prompts))
@@ -182,8 +182,8 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
                       "lossless": (diff is None) if greedy else None, "stop_reason": spec.stop_reason,
                       "tokens_per_s": spec.tokens_per_s, "baseline_tokens_per_s": base.tokens_per_s}
             if policy == "adaptive":
-                record["chain_per_round"] = spec.chains
-                log.info("prompt %d: adaptive K per round %s", i, spec.chains)
+                record["chain_per_round"] = spec.chain_per_round
+                log.info("prompt %d: adaptive K per round %s", i, spec.chain_per_round)
             if diff is not None:
                 record["baseline_output_ids"] = base.output_ids
                 record["first_difference"] = diff
@@ -204,73 +204,9 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
     log.info("eval K=%d: %.1f tokens/s (baseline %.1f, speedup %.2fx), tau %.2f, acceptance %.2f, lossless %s",
              chain, result["tokens_per_s"], result["baseline_tokens_per_s"], result["speedup"], result["tau"],
-             result["draft_acceptance_rate"], result["lossless"])
+             result["acceptance_rate"], result["lossless"])
     tracking.log_artifact(out / "generations.jsonl")
     tracking.log_artifact(out / "metrics.json")
     tracking.set_tags({"pte_sha256": pte_sha256})
     # the report: the same names; lossless as 1/0 so it is an MLflow metric too
     return {**result, "lossless": None if result["lossless"] is None else int(result["lossless"])}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# After a multirun: tokens/s, speedup and tau against K (called by pipeline.callbacks.summarize_sweep)
-
-SUMMARY_COLUMNS = ("chain", "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "draft_acceptance_rate",
-                   "verify_ms_per_round", "draft_ms_per_round", "lossless")
-
-
-def summarize_sweep(children: list[dict], sweep_dir: Path) -> dict:
-    """Table (summary.md) and plot (summary.png) of the sweep's eval jobs against K, logged to the parent
-    run, and the best K by speedup over the K=0 baseline measured in the same job. Jobs without an eval report (failed, or +stage=export) are left out."""
-    rows = []
-    for child in children:
-        report = ((child.get("stages") or {}).get("eval") or {}).get("report") or {}
-        if child.get("status") == "ok" and "chain" in report:
-            rows.append({"job": child.get("job_num"), "overrides": " ".join(child.get("overrides", [])), **report})
-    if not rows:
-        return {}
-    rows.sort(key=lambda r: (r["chain"], r["job"]))
-    best = max(rows, key=lambda r: r["speedup"])  # a ratio within one job: robust to load on a shared machine
-
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| job | " + " | ".join(SUMMARY_COLUMNS) + " |", "|---" * (len(SUMMARY_COLUMNS) + 1) + "|"]
-    lines += ["| " + " | ".join([str(r["job"])] + [fmt(r.get(c)) for c in SUMMARY_COLUMNS]) + " |" for r in rows]
-    lines += ["", f"best K = {best['chain']}: {best['tokens_per_s']:.1f} tokens/s, speedup {best['speedup']:.2f}x, "
-              f"tau {best['tau']:.2f} (job {best['job']}: {best['overrides']})"]
-    shas = sorted({r.get("pte_sha256") for r in rows})
-    lines.append(f".pte sha256: {', '.join(str(s) for s in shas)}")
-    table = "\n".join(lines)
-    sweep_dir = Path(sweep_dir)
-    (sweep_dir / "summary.md").write_text(table + "\n")
-    print(table)
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ks = [r["chain"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    axes[0].plot(ks, [r["tokens_per_s"] for r in rows], "o-", label="speculative")
-    axes[0].plot(ks, [r["baseline_tokens_per_s"] for r in rows], "s--", label="K=0 baseline")
-    axes[0].set_ylabel("decode tokens/s")
-    axes[0].legend()
-    axes[1].plot(ks, [r["speedup"] for r in rows], "o-")
-    axes[1].axhline(1.0, color="gray", lw=0.8)
-    axes[1].set_ylabel("speedup over K=0")
-    axes[2].plot(ks, [r["tau"] for r in rows], "o-")
-    axes[2].plot(ks, [k + 1 for k in ks], ":", color="gray", label="K+1 (every proposal accepted)")
-    axes[2].set_ylabel("tau (tokens per round)")
-    axes[2].legend()
-    for ax in axes:
-        ax.set_xlabel("chain length K")
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"best K = {best['chain']} ({best['speedup']:.2f}x)")
-    fig.tight_layout()
-    fig.savefig(sweep_dir / "summary.png", dpi=110)
-    plt.close(fig)
-
-    tracking.log_artifact(sweep_dir / "summary.md")
-    tracking.log_artifact(sweep_dir / "summary.png")
-    return {"best_chain": best["chain"], "best_tokens_per_s": best["tokens_per_s"], "best_speedup": best["speedup"],
-            "best_tau": best["tau"]}

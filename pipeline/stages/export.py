@@ -1,20 +1,20 @@
 """The export stage: the target and draft artifacts lowered into ONE model.pte (see pipeline/export_pte.py).
 
-Artifact: `model.pte` and the manifest report (max_m, chain_len, prefill chunk range, backend, quant,
+Artifact: `model.pte` and the manifest report (max_m, default_chain, prefill chunk range, backend, quant,
 manifest_hash, the pairing facts behind it, .pte size, timings, ops outside the delegate per method).
 
 Order of work, so that every refusal comes before the minutes of lowering:
-1. the export config alone (backend, quant, max_m in [2, max_seq_len], chain in [1, max_m-1], prefill
+1. the export config alone (backend, quant, max_m in [2, max_seq_len], default_chain in [1, max_m-1], prefill
    chunk range not straddling the dispatch threshold; `min_prefill_chunk: null` means max_m + 1);
 2. the pairing: the draft artifact must have been built for THIS target artifact when its manifest names
-   one, and its weights must fit the target (hidden size, vocab, tap layers, d2t/t2d via
-   models.validate_draft; the draft's frozen embedding must equal the target's);
+   one, and its weights must fit the target (hidden size, vocab, tap layers, d2t/t2d and the frozen
+   embedding, checked by models.load_speculators);
 3. lowering (export_pte), one method at a time with progress.
 
 The manifest hash baked into the .pte (`get_manifest_hash`) is sha256 over the canonical JSON of
 `pairing_facts`: the sha256 of every file of the target artifact (config, weights, tokenizer.json) and of
-the draft artifact (config, weights with d2t/t2d), the tap layers and the d2t table. `pairing_facts` is
-public so the eval stage can recompute it from the upstream artifacts and compare.
+the draft artifact (config, weights with d2t/t2d), the tap layers and the d2t table; the report keeps
+both, and the eval stage refuses a .pte whose hash differs from its artifact's report.
 
 Only `export.*` enters the key (besides the upstream keys): `runtime.chain` never re-exports.
 """
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from pipeline.artifacts import PTE
 from pipeline.export_pte import check_export_args, export_pte
 from pipeline.store import hash_tree
 
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 2  # 2: get_sliding_window is a required constant method
 UPSTREAM = ("target", "draft")
 CONFIG_KEYS = ("export",)
-PTE = "model.pte"
 
 
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
@@ -45,12 +45,11 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     target_art, draft_art = upstream["target"], upstream["draft"]
     max_m = int(ec.max_m)
     min_prefill = int(ec.min_prefill_chunk) if ec.get("min_prefill_chunk") is not None else max_m + 1
-    args = dict(max_m=max_m, chain_len=int(ec.chain), max_prefill_chunk=int(ec.max_prefill_chunk),
+    args = dict(max_m=max_m, default_chain=int(ec.default_chain), max_prefill_chunk=int(ec.max_prefill_chunk),
                 min_prefill_chunk=min_prefill, backend=str(ec.backend), quant=str(ec.get("quant", "none")),
                 group_size=int(ec.get("group_size", 32)))
-    max_seq_len = _target_config(Path(target_art.path)).get("max_seq_len")  # None: an HF config (checked later)
-    if max_seq_len is not None:
-        check_export_args(max_seq_len=int(max_seq_len), **args)
+    target_config = json.loads((Path(target_art.path) / "config.json").read_text())
+    check_export_args(max_seq_len=int(target_config["max_seq_len"]), **args)
 
     check_lineage(target_art, draft_art)
     speculator = load_pair(Path(target_art.path), Path(draft_art.path))
@@ -77,26 +76,15 @@ def check_lineage(target_art, draft_art) -> None:
                              f"but the target artifact is {target_art.key}; re-run the draft stage for this target")
 
 
-def _target_config(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())
-
-
 def load_pair(target_dir: Path, draft_dir: Path):
     """(models.Speculator) from a target artifact and a draft artifact, refusing a draft that does not fit."""
-    from models import Speculator, load_hf_target, load_speculators, load_target
+    from models import Speculator, load_speculators, load_target
 
-    if "architectures" in _target_config(target_dir):  # a raw HF checkpoint rather than our own format
-        target, _ = load_hf_target(target_dir)
-    else:
-        target = load_target(target_dir)
+    target = load_target(target_dir)
     try:
         draft = load_speculators(draft_dir, target, max_seq_len=target.cfg.max_seq_len)
     except ValueError as e:
         raise ValueError(f"export: draft {draft_dir} does not fit target {target_dir}: {e}") from e
-    if draft.cfg.hidden_size == target.cfg.hidden_size:
-        if not torch.equal(draft.embed_tokens.weight.float(), target.embed_tokens.weight.float()):
-            raise ValueError(f"export: draft {draft_dir} does not fit target {target_dir}: the draft's frozen "
-                             f"embed_tokens differs from the target's embedding (trained for another target?)")
     return Speculator(target, draft).eval()
 
 

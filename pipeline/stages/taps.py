@@ -1,6 +1,6 @@
 """The taps stage: run the target over sequences and store what training the draft needs.
 
-Artifact (read with `load_taps(artifact.path, split)`):
+Artifact (read with `pipeline.artifacts.load_taps(artifact.path, split)`):
     taps.json                     layout: source, per-split sequence and prompt lengths, tap_layers,
                                   hidden/vocab size, dtype, eos id, shard files per split
     train-00000.safetensors ...   shards of `taps.shard_sequences` sequences of the train split
@@ -43,19 +43,18 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from pipeline import data, tracking
+from pipeline.artifacts import TAPS_FIELDS, TAPS_INDEX, TAPS_SPLITS
 from pipeline.store import scratch_dir, sha256_file
+from runner.text import eos_id
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 UPSTREAM = ("target",)
 CONFIG_KEYS = ("data", "taps", "seed")
-INDEX = "taps.json"
-SPLITS = ("train", "held_out")
-FIELDS = ("ids", "taps", "final", "top1", "mask")
 
 
 # --- the target, batched -----------------------------------------------------------------------------
@@ -159,18 +158,6 @@ def write_shard(path: Path, shard: dict[str, torch.Tensor], dtype: torch.dtype) 
     tmp.replace(path)
 
 
-def load_taps(path, split: str) -> dict[str, torch.Tensor]:
-    """All shards of a split, concatenated: ids/top1 int64, mask bool, taps/final in the stored dtype."""
-    path = Path(path)
-    index = json.loads((path / INDEX).read_text())
-    shards = [load_file(str(path / f)) for f in index["shards"][split]]
-    if not shards:
-        raise ValueError(f"{path}: no {split} shards")
-    out = {k: torch.cat([s[k] for s in shards]) for k in FIELDS}
-    out["ids"], out["top1"] = out["ids"].long(), out["top1"].long()
-    return out
-
-
 # --- the stage ------------------------------------------------------------------------------------------
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     from models import load_target
@@ -195,12 +182,12 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     if longest > target.cfg.max_seq_len:
         raise ValueError(f"taps: sequences of {longest} tokens exceed the target's max_seq_len={target.cfg.max_seq_len}")
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    eos = data.eos_id(tokenizer)
+    eos = eos_id(tokenizer)
 
     docs = data.documents(OmegaConf.to_container(cfg.data, resolve=True))
     counts = {"train": int(tc.train_sequences), "held_out": int(tc.held_out_sequences)}
     sequences = {}
-    for k, split in enumerate(SPLITS):
+    for k, split in enumerate(TAPS_SPLITS):
         T, P = lengths[split]
         sequences[split] = windows(data.split(docs, split), tokenizer, counts[split],
                                    P if source == "generate" else T, int(cfg.seed) * 1_000_003 + k)
@@ -210,11 +197,11 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
 
     scratch = scratch_dir()
     per_shard, bs = int(tc.shard_sequences), int(tc.batch_size)
-    shards: dict[str, list[str]] = {s: [] for s in SPLITS}
-    tokens = {s: 0 for s in SPLITS}
-    counted = {s: 0 for s in SPLITS}
+    shards: dict[str, list[str]] = {s: [] for s in TAPS_SPLITS}
+    tokens = {s: 0 for s in TAPS_SPLITS}
+    counted = {s: 0 for s in TAPS_SPLITS}
     resumed, generated, t_gen = 0, 0, time.perf_counter()
-    for split in SPLITS:
+    for split in TAPS_SPLITS:
         seqs = sequences[split]
         T, P = lengths[split]
         n_shards = (len(seqs) + per_shard - 1) // per_shard
@@ -234,7 +221,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
                                      if source == "generate" else torch.ones_like(piece["ids"], dtype=torch.bool))
                     pieces.append({k: v.cpu() for k, v in piece.items()})
                     bar.update(len(x))
-                write_shard(scratch / name, {k: torch.cat([p[k] for p in pieces]) for k in FIELDS}, dtype)
+                write_shard(scratch / name, {k: torch.cat([p[k] for p in pieces]) for k in TAPS_FIELDS}, dtype)
             if bar.n < (i + 1) * per_shard:
                 bar.update(min(len(seqs), (i + 1) * per_shard) - bar.n)
             with safe_open(str(scratch / name), framework="pt") as f:
@@ -246,7 +233,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         bar.close()
     gen_seconds = time.perf_counter() - t_gen
 
-    for split in SPLITS:
+    for split in TAPS_SPLITS:
         for name in shards[split]:
             shutil.move(str(scratch / name), str(out / name))
     index = {
@@ -257,7 +244,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         "vocab_size": target.cfg.vocab_size, "dtype": str(tc.dtype), "eos_id": eos,
         "mask_prompt": bool(tc.mask_prompt) if source == "generate" else False, "shards": shards,
     }
-    (out / INDEX).write_text(json.dumps(index, indent=2))
+    (out / TAPS_INDEX).write_text(json.dumps(index, indent=2))
     bytes_written = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     report = {
         "source": source,

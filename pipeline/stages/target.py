@@ -20,7 +20,6 @@ modification times of the files in DIR, so a checkpoint changed in place is conv
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -33,7 +32,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import data, tracking
-from pipeline.store import scratch_dir
+from pipeline.schedule import warmup_cosine
+from pipeline.store import dir_fingerprint, scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +47,7 @@ def key_extra(cfg: DictConfig) -> dict:
     """What the key needs beyond the config: for target=hf, a stat fingerprint of the checkpoint dir."""
     if cfg.target.kind != "hf" or not Path(cfg.target.path).is_dir():
         return {}
-    h = hashlib.sha256()
-    for p in sorted(Path(cfg.target.path).rglob("*")):
-        if p.is_file():
-            st = p.stat()
-            h.update(f"{p.relative_to(cfg.target.path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return {"hf_files": h.hexdigest()}
+    return {"hf_files": dir_fingerprint(Path(cfg.target.path))}
 
 
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
@@ -96,14 +91,6 @@ def init_weights(model, std: float = 0.02) -> None:
         elif p.dim() >= 2:
             scale = 1 / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
             torch.nn.init.normal_(p, mean=0.0, std=std * scale)
-
-
-def lr_at(step: int, t: DictConfig) -> float:
-    """Linear warmup to t.lr over t.warmup steps, then cosine decay to t.min_lr at t.steps."""
-    if step < t.warmup:
-        return t.lr * (step + 1) / t.warmup
-    progress = min(1.0, (step - t.warmup) / max(1, t.steps - t.warmup))
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def batch_at(stream: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int):
@@ -190,7 +177,7 @@ def train(cfg: DictConfig, out: Path) -> dict:
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="target", mininterval=2.0,
                dynamic_ncols=True)
     for step in bar:
-        lr = lr_at(step, t)
+        lr = warmup_cosine(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup, steps=t.steps)
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = batch_at(train_stream, step, t.batch_size, t.seq_len, cfg.seed)
