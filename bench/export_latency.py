@@ -50,7 +50,7 @@ def export_random(spec_str: str, out_dir: Path, max_m: int, chain: int, max_pref
     backend, quant = spec_str.split(":")
     path = out_dir / f"default_{backend}_{quant}.pte"
     t0 = time.perf_counter()
-    report = export_pte(default_sized_speculator(), max_m=max_m, chain_len=chain, max_prefill_chunk=max_prefill,
+    report = export_pte(default_sized_speculator(), max_m=max_m, default_chain=chain, max_prefill_chunk=max_prefill,
                         min_prefill_chunk=max_m + 1, backend=backend, quant=quant, out_path=path,
                         manifest_hash="0" * 64)
     report["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -5,8 +5,11 @@ subtrees and its upstream keys (`plan_keys`, a pure function of the config), the
 the store or build it (`Store.get_or_build`, under a file lock; the log says "cached <stage> <key>").
 The eval stage is not content-addressed: it runs every time and writes into the Hydra job directory.
 
-Every job writes `<job dir>/result.json` (what ran, keys, reports; read by the multirun summary) and ends
-by printing where the artifacts, the job directory and the MLflow store are.
+Before anything else the composed config is checked (pipeline.validate): a bad value stops the job in a
+second, naming the key. Every job writes `<job dir>/result.json` (what ran, keys, reports, or the error;
+read by the multirun summary) and ends by printing where the artifacts, the job directory and the MLflow
+store are. A job of a multirun that fails is recorded as failed and the sweep goes on: the summary lists
+it, the sweep's parent run ends FAILED and the sweep exits with status 1 (pipeline.callbacks).
 """
 
 from __future__ import annotations
@@ -29,11 +32,25 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline import stages, tracking
 from pipeline.sweep import RESULT_FILE
 from pipeline.store import Artifact, Store, cache_key, git_commit
+from pipeline.validate import ConfigError, check_config
 
 log = logging.getLogger("pipeline")
 
 # conf/ sits beside the packages at the repository root (the package is installed editable, `pip install -e`).
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+EXIT_BAD_CONFIG = 2
+
+# `${pid:}` in hydra.run.dir / hydra.sweep.dir: two jobs started in the same second get directories of their
+# own. Cached, so a joblib worker (which copies its launcher's resolver cache) resolves the launcher's pid.
+OmegaConf.register_new_resolver("pid", os.getpid, use_cache=True)
+
+
+def write_result(job_dir: Path, result: dict) -> None:
+    """`<job dir>/result.json`, written atomically (the multirun summary may read it at any time)."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    tmp = job_dir / (RESULT_FILE + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str))
+    tmp.replace(job_dir / RESULT_FILE)
 
 
 def stages_until(cfg: DictConfig) -> tuple[str, ...]:
@@ -133,7 +150,7 @@ class Job:
         params = tracking.flatten(OmegaConf.to_container(self.cfg, resolve=True))
         tags = {"job_dir": str(self.job_dir), "git_commit": commit, "mlflow.source.git.commit": commit,
                 "mlflow.source.name": "python -m pipeline", "stages": ",".join(names)}
-        status = "failed"
+        status, error = "failed", None
         try:
             with self.tracker.run(name, parent=parent, tags=tags, params=params) as self.run_id:
                 artifacts: dict[str, Artifact] = {}
@@ -145,8 +162,13 @@ class Job:
                         self._note_unneeded(stage_name, keys[stage_name])
             status = "ok"
             return artifacts
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
+            raise
         finally:
-            self._write_result(status)
+            write_result(self.job_dir, {"job_num": self.job_num, "overrides": self.overrides,
+                                        "job_dir": str(self.job_dir), "status": status, "error": error,
+                                        "mlflow_run_id": self.run_id, "stages": self.results})
 
     def _note_unneeded(self, name: str, key: str) -> None:
         """A stage nothing downstream needs loaded (its consumers are cached): report it without loading."""
@@ -198,12 +220,6 @@ class Job:
         self.tracker.set_tags(self.run_id, {f"{name}.key": key or "", f"{name}.cached": str(cached).lower()})
         return result
 
-    def _write_result(self, status: str) -> None:
-        self.job_dir.mkdir(parents=True, exist_ok=True)
-        result = {"job_num": self.job_num, "overrides": self.overrides, "job_dir": str(self.job_dir),
-                  "status": status, "mlflow_run_id": self.run_id, "stages": self.results}
-        (self.job_dir / RESULT_FILE).write_text(json.dumps(result, indent=2, default=str))
-
     def summary(self) -> str:
         lines = ["", "artifacts:"]
         for name, r in self.results.items():
@@ -251,8 +267,24 @@ def main(cfg: DictConfig) -> None:
         signal.signal(signal.SIGTERM, _interrupt)
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    job_dir, job_num, overrides = Path(hc.runtime.output_dir), hc.job.num if multirun else 0, list(hc.overrides.task)
+    try:
+        check_config(cfg)
+    except ConfigError as e:
+        write_result(job_dir, {"job_num": job_num, "overrides": overrides, "job_dir": str(job_dir),
+                               "status": "failed", "error": str(e), "mlflow_run_id": None, "stages": {}})
+        log.error("%s", e)
+        if multirun:
+            return  # recorded: the sweep summary lists the job as failed
+        sys.exit(EXIT_BAD_CONFIG)
     set_threads(cfg, parallel_jobs(hc) if multirun else 1)
-    job = Job(cfg, Path(hc.runtime.output_dir), job_num=hc.job.num if multirun else 0,
-              overrides=list(hc.overrides.task), sweep_dir=Path(hc.sweep.dir) if multirun else None)
-    job.run()
+    job = Job(cfg, job_dir, job_num=job_num, overrides=overrides, sweep_dir=Path(hc.sweep.dir) if multirun else None)
+    try:
+        job.run()
+    except Exception:
+        if not multirun:
+            raise
+        # Hydra would re-raise it after the batch, before the sweep summary: record it and go on instead.
+        log.exception("job %d (%s) failed; the sweep goes on", job_num, " ".join(overrides))
+        return
     print(job.summary())

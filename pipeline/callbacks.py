@@ -3,12 +3,13 @@
 `MlflowSweep` (registered in conf/config.yaml under hydra.callbacks) runs in the process that launches the
 sweep: at the start it creates the parent run for the sweep directory (jobs find it through
 `<sweep dir>/.mlflow_parent_run`); at the end it reads every job's `result.json`, writes the summary
-(pipeline.sweep) and closes the parent run, FAILED if a job failed.
+(pipeline.sweep) and closes the parent run, FAILED if a job failed, in which case the sweep exits with status 1.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -42,4 +43,7 @@ class MlflowSweep(Callback):
             self.tracker.end_run(self.parent, "FAILED" if failed else "FINISHED")
         print(f"sweep: {len(results)} job(s) in {sweep_dir}" + (f", failed: {failed}" if failed else ""))
         if self.tracker is not None and self.tracker.enabled:
-            print(f"MLflow parent run {self.parent}; look at it with: {tracking.ui_command(self.tracker.uri, self.tracker.experiment_id)}")
+            print(f"MLflow parent run {self.parent}; look at it with: "
+                  f"{tracking.ui_command(self.tracker.uri, self.tracker.experiment_id)}")
+        if failed:
+            sys.exit(1)

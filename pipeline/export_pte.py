@@ -76,7 +76,7 @@ from torch import nn
 from torch.export import Dim, export
 from tqdm.auto import tqdm
 
-from kernels.rule import use_small_m
+from kernels.rule import SMALL_M_LIMIT, use_small_m
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,9 @@ def check_export_args(*, max_m: int, default_chain: int, min_prefill_chunk: int,
     if max_m > max_seq_len:
         raise ValueError(f"export.max_m={max_m} is larger than the model's max_seq_len={max_seq_len} "
                          f"(a verify window cannot exceed the KV cache)")
+    if max_m > SMALL_M_LIMIT:
+        raise ValueError(f"export.max_m={max_m}: the small-M kernels take at most {SMALL_M_LIMIT} rows "
+                         f"(kernels.rule.SMALL_M_LIMIT), so a verify window is at most that wide")
     if not 1 <= default_chain <= max_m - 1:
         raise ValueError(f"export.default_chain={default_chain}: the default K must lie in [1, max_m-1] = [1, {max_m - 1}]")
     if not min_prefill_chunk <= max_prefill_chunk <= max_seq_len:

@@ -3,6 +3,7 @@
 Each job writes `<job dir>/result.json` (pipeline.app); after the sweep, the Hydra callback
 (pipeline.callbacks) reads them all with `read_results` and hands them to `summarize`, which writes
 `summary.md` and `summary.png` into the sweep directory and returns the numbers the parent MLflow run logs.
+The summary is written whatever happened to the jobs: a failed job is listed with its error.
 The best K is the one with the highest speedup: a ratio measured within one job against its own K=0
 baseline, so it holds on a shared machine whose load changes between jobs.
 """
@@ -72,23 +73,34 @@ def plot(rows: list[dict], best: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def failed_lines(results: list[dict]) -> list[str]:
+    """One line per job that did not end ok: its number, overrides and the first line of its error."""
+    return [f"- job {r.get('job_num')} ({' '.join(r.get('overrides', []))}): failed: "
+            f"{(r.get('error') or 'no error recorded').splitlines()[0]}" for r in results if r.get("status") != "ok"]
+
+
 def summarize(results: list[dict], sweep_dir: Path) -> dict:
-    """summary.md and summary.png of the sweep's eval jobs, logged to the active (parent) run; returns
-    {best_chain, best_tokens_per_s, best_speedup, best_tau}, or {} when no job finished an eval."""
-    rows = eval_rows(results)
-    if not rows:
-        return {}
-    best = max(rows, key=lambda r: r["speedup"])
-    shas = sorted({str(r.get("pte_sha256")) for r in rows})
-    text = "\n".join([table(rows), "",
-                      f"best K = {best['chain']}: {best['tokens_per_s']:.1f} tokens/s, speedup {best['speedup']:.2f}x, "
-                      f"tau {best['tau']:.2f} (job {best['job']}: {best['overrides']})",
-                      f".pte sha256: {', '.join(shas)}"])
+    """summary.md (and summary.png when a job finished an eval) of the sweep, logged to the active (parent)
+    run; returns {best_chain, best_tokens_per_s, best_speedup, best_tau} of the eval jobs (none without
+    one) and failed_jobs."""
+    rows, failed = eval_rows(results), failed_lines(results)
+    parts, metrics = [], {"failed_jobs": len(failed)}
+    if rows:
+        best = max(rows, key=lambda r: r["speedup"])
+        shas = sorted({str(r.get("pte_sha256")) for r in rows})
+        parts += [table(rows), "",
+                  f"best K = {best['chain']}: {best['tokens_per_s']:.1f} tokens/s, speedup {best['speedup']:.2f}x, "
+                  f"tau {best['tau']:.2f} (job {best['job']}: {best['overrides']})", f".pte sha256: {', '.join(shas)}"]
+        metrics.update({"best_chain": best["chain"], "best_tokens_per_s": best["tokens_per_s"],
+                        "best_speedup": best["speedup"], "best_tau": best["tau"]})
+    if failed:
+        parts += ["", f"{len(failed)} of {len(results)} job(s) failed:", *failed]
     sweep_dir = Path(sweep_dir)
+    text = "\n".join(parts).strip()
     (sweep_dir / "summary.md").write_text(text + "\n")
     print(text)
-    plot(rows, best, sweep_dir / "summary.png")
     tracking.log_artifact(sweep_dir / "summary.md")
-    tracking.log_artifact(sweep_dir / "summary.png")
-    return {"best_chain": best["chain"], "best_tokens_per_s": best["tokens_per_s"], "best_speedup": best["speedup"],
-            "best_tau": best["tau"]}
+    if rows:
+        plot(rows, best, sweep_dir / "summary.png")
+        tracking.log_artifact(sweep_dir / "summary.png")
+    return metrics

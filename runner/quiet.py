@@ -24,8 +24,13 @@ KNOWN = {
     # ExecuTorch logs each constant it duplicates while lowering, on the root logger.
     "root": re.compile(r"^Copying constant nodes "),
 }
-# torch.export pickles pytree specs through an API torch 2.13 deprecates, a warning per lowered method.
-KNOWN_WARNINGS = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
+KNOWN_WARNINGS = (
+    # torch.export pickles pytree specs through an API torch 2.13 deprecates, a warning per lowered method.
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    # ExecuTorch notes that a mutated buffer's initial value is not serialised: the KV caches are meant so
+    # (every slot is written before the causal mask lets it be read; pipeline/export_pte.py).
+    (r"Mutation on a buffer in the model is detected", UserWarning),
+)
 # XNNPACK's CPU probe, on the first delegate call of a process, reports ARM-only files it cannot find.
 KNOWN_NATIVE = re.compile(r"^\[cpuinfo_utils\.cpp:\d+\]")
 
@@ -45,8 +50,8 @@ def install() -> None:
         logger = logging.getLogger() if name == "root" else logging.getLogger(name)
         if not any(isinstance(f, _DropKnown) for f in logger.filters):
             logger.addFilter(_DropKnown(pattern))
-    for message in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    for message, category in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 `write_fake_stages(dir, names)` writes a package `fakestages` under `dir`; run the app with
 `stage_package=fakestages` and `dir` on PYTHONPATH. Each content-addressed fake writes one file and reports
-`value`; the fake eval reports the runtime chain it was given.
+`value`; the fake eval reports the runtime chain it was given, and fails at chain 5.
 """
 
 from __future__ import annotations
@@ -43,8 +43,11 @@ BODY = {
     (out / "{name}.json").write_text(json.dumps({{u: a.key for u, a in upstream.items()}}))
     return {{"value": 1.0}}''',
     "eval": '''chain = cfg.runtime.chain or 0
+    if chain == 5:
+        raise RuntimeError("fake eval failure at K=5")
     (out / "metrics.json").write_text(json.dumps({{"chain": chain}}))
-    return {{"chain": chain, "tau": 1.0 + chain}}''',
+    return {{"chain": chain, "tau": 1.0 + chain, "tokens_per_s": 10.0 * (1 + chain), "baseline_tokens_per_s": 10.0,
+            "speedup": 1.0 + chain}}''',
 }
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 from hydra import compose, initialize_config_dir
 
 from pipeline import stages
@@ -84,5 +88,41 @@ def test_upstream_of_a_cached_stage_is_not_loaded(tmp_path):
     r = run_app(["tracking=none", "runtime.chain=2"], tmp_path / "fakes", out)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "taps    not needed" in r.stdout and "draft   cached" in r.stdout and "eval    ran" in r.stdout
-    r = run_app(["tracking=none", "draft.kind=other"], tmp_path / "fakes", out)  # a new draft needs taps again
+    r = run_app(["tracking=none", "draft.train.steps=3"], tmp_path / "fakes", out)  # a new draft needs taps again
     assert r.returncode == 0 and "taps    ran" in r.stdout, r.stdout + r.stderr
+
+
+def test_two_runs_started_together_keep_separate_records(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    write_fake_stages(tmp_path / "fakes")
+    out = tmp_path / "out"
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda k: run_app(["tracking=none", f"runtime.chain={k}"], tmp_path / "fakes", out),
+                             (2, 3)))
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    results = sorted((json.loads(p.read_text()) for p in (out / "runs").rglob("result.json")),
+                     key=lambda r: r["overrides"])
+    assert [r["overrides"][-1] for r in results] == ["runtime.chain=2", "runtime.chain=3"]
+    assert len({r["job_dir"] for r in results}) == 2
+    for r, k in zip(results, (2, 3)):
+        assert json.loads((Path(r["job_dir"]) / "metrics.json").read_text()) == {"chain": k}
+
+
+def test_a_sweep_with_failing_jobs_writes_its_summary_marks_the_parent_and_exits_1(tmp_path):
+    from pipeline import tracking
+
+    write_fake_stages(tmp_path / "fakes")
+    out = tmp_path / "out"
+    r = run_app(["-m", "runtime.chain=2,100,5"], tmp_path / "fakes", out)
+    assert r.returncode == 1, r.stdout + r.stderr
+    summary = next((out / "multirun").rglob("summary.md")).read_text()
+    assert "| 0 | 2 |" in summary, summary  # job 0's row
+    assert "2 of 3 job(s) failed" in summary
+    assert re.search(r"job 1 \(.*runtime.chain=100\): failed: invalid config", summary), summary
+    assert re.search(r"job 2 \(.*runtime.chain=5\): failed: RuntimeError: fake eval failure at K=5", summary)
+    tracker = tracking.open_tracker({"enabled": True, "experiment": "eagle3"}, out)
+    runs = tracker.client.search_runs([tracker.experiment_id], max_results=100)
+    parent = next(x for x in runs if x.info.run_name.startswith("sweep "))
+    assert parent.info.status == "FAILED" and parent.data.metrics["failed_jobs"] == 2
+    assert not [x.info.run_name for x in runs if x.info.status == "RUNNING"]

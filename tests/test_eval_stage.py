@@ -82,7 +82,7 @@ def test_prompt_files_and_stop_tokens(tmp_path):
         stop_ids(tok, ["no such token here"])
 
 
-def test_sweep_summary_table_plot_and_best_k(tmp_path):
+def test_sweep_summary_table_plot_best_k_and_failed_jobs(tmp_path):
     children = []
     for n, (k, tps, tau, base) in enumerate([(1, 150.0, 1.8, 100.0), (2, 210.0, 2.6, 100.0), (4, 250.0, 3.1, 150.0)]):
         report = {"chain": k, "tokens_per_s": tps, "baseline_tokens_per_s": base, "speedup": tps / base, "tau": tau,
@@ -90,12 +90,21 @@ def test_sweep_summary_table_plot_and_best_k(tmp_path):
                   "lossless": 1, "pte_sha256": "abc"}
         children.append({"job_num": n, "overrides": [f"runtime.chain={k}"], "status": "ok",
                          "stages": {"eval": {"report": report}}})
-    children.append({"job_num": 3, "overrides": ["runtime.chain=9"], "status": "failed", "stages": {}})
+    children.append({"job_num": 3, "overrides": ["runtime.chain=9"], "status": "failed", "stages": {},
+                     "error": "ConfigError: runtime.chain=9: an int in [0, 7]\nmore"})
     summary = sweep.summarize(children, tmp_path)
-    assert summary == {"best_chain": 2, "best_tokens_per_s": 210.0, "best_speedup": 2.1, "best_tau": 2.6}
-    assert "best K = 2" in (tmp_path / "summary.md").read_text()
+    assert summary == {"best_chain": 2, "best_tokens_per_s": 210.0, "best_speedup": 2.1, "best_tau": 2.6,
+                       "failed_jobs": 1}
+    text = (tmp_path / "summary.md").read_text()
+    assert "best K = 2" in text and "job 3 (runtime.chain=9): failed: ConfigError: runtime.chain=9" in text
     assert (tmp_path / "summary.png").stat().st_size > 1000
-    assert sweep.summarize(children[3:], tmp_path) == {}
+
+
+def test_a_sweep_summary_is_written_when_every_job_failed(tmp_path):
+    failed = [{"job_num": 0, "overrides": ["runtime.chain=100"], "status": "failed", "stages": {}, "error": "boom"}]
+    assert sweep.summarize(failed, tmp_path) == {"failed_jobs": 1}
+    assert "1 of 1 job(s) failed:\n- job 0 (runtime.chain=100): failed: boom" in (tmp_path / "summary.md").read_text()
+    assert not (tmp_path / "summary.png").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------

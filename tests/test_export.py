@@ -10,6 +10,8 @@ same weights. int4 lowering takes over a minute even for this model; EXPORT_TEST
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -223,6 +225,7 @@ def no_lowering(monkeypatch):
 @pytest.mark.parametrize("over, match", [
     (dict(max_m=1), r"max_m=1.*>= 2"),
     (dict(max_m=MAX_SEQ + 1, min_prefill_chunk=MAX_SEQ + 2), r"max_m=65 is larger than .*max_seq_len=64"),
+    (dict(max_m=17, min_prefill_chunk=18, max_prefill_chunk=20), r"max_m=17: the small-M kernels take at most 16"),
     (dict(min_prefill_chunk=MAX_M), r"prefill T range \[4, 16\] straddles the dispatch threshold"),
     (dict(min_prefill_chunk=2), r"straddles the dispatch threshold max_m=4"),
     (dict(default_chain=MAX_M), r"default_chain=4.*\[1, 3\]"),
@@ -302,3 +305,9 @@ def test_draft_gap_guard_is_off_only_while_tracing(pair):
     with export_lib._tracing_mode(spec):
         assert not spec.draft.check_gaps
     assert spec.draft.check_gaps
+
+
+def test_the_export_path_reads_the_dispatch_rule_without_triton():
+    code = "import sys, pipeline.export_pte; print('triton' in sys.modules, 'kernels.dispatch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

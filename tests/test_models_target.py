@@ -176,3 +176,11 @@ def test_load_target_refuses_bad_tensors(tmp_path):
     save_file(state, str(f))
     with pytest.raises(ValueError, match=r"missing tensor 'layers\.1\.mlp\.up_proj\.weight'"):
         load_target(tmp_path)
+
+
+def test_a_truncated_weights_file_is_refused_naming_the_file(tmp_path):
+    save_target(tiny_target(), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=re.escape(f"{weights} is not a readable safetensors file")):
+        load_target(tmp_path)

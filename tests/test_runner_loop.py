@@ -125,7 +125,7 @@ PROMPT = [1, 5, 2, 7, 3, 9]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The forced paths (docs/design.md §7)
+# The forced paths of the round (docs/design.md §4)
 
 
 def test_forced_full_acceptance_takes_the_bonus_every_round():

@@ -1,0 +1,135 @@
+"""Every value a user sets, checked by type and range once the config is composed, before any stage runs.
+
+A bad value is refused with one `ConfigError` that lists every problem found, each naming the key, the
+value given and what is allowed: a typo in `runtime.chain` is reported in a second, not after the minutes
+of building the stages before the eval. The checks mirror the config groups (conf/<group>/*.yaml) and the
+stages that read them; the stages keep their own checks of what only their inputs can tell (a target's
+max_seq_len for target=hf, the pairing of draft and target).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from runner.text import read_prompt_file
+
+class ConfigError(ValueError):
+    """One or more config values out of their allowed range; the message lists each."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class _Checker:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.problems: list[str] = []
+
+    def get(self, key: str):
+        node = self.cfg
+        for part in key.split("."):
+            node = node.get(part) if node is not None else None
+        return node
+
+    def fail(self, key: str, value, allowed: str) -> None:
+        self.problems.append(f"{key}={value!r}: {allowed}")
+
+    def int_in(self, key: str, lo: int | None = None, hi: int | None = None, *, nullable: bool = False) -> bool:
+        v = self.get(key)
+        if v is None and nullable:
+            return True
+        lo_s = "-inf" if lo is None else lo
+        hi_s = "inf" if hi is None else hi
+        if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+            self.fail(key, v, f"an int in [{lo_s}, {hi_s}]" + (" or null" if nullable else ""))
+            return False
+        return True
+
+    def number_in(self, key: str, lo: float, hi: float | None = None, *, lo_open: bool = False) -> None:
+        v = self.get(key)
+        below = v is not None and _is_number(v) and (v <= lo if lo_open else v < lo)
+        if not _is_number(v) or below or (hi is not None and v > hi):
+            self.fail(key, v, f"a number in {'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]")
+
+    def choice(self, key: str, allowed: tuple) -> None:
+        v = self.get(key)
+        if v not in allowed:
+            self.fail(key, v, f"one of {', '.join(map(str, allowed))}")
+
+    def existing(self, key: str, *, directory: bool) -> bool:
+        v = self.get(key)
+        ok = isinstance(v, str) and (Path(v).is_dir() if directory else Path(v).is_file())
+        if not ok:
+            self.fail(key, v, f"an existing {'directory' if directory else 'file'}")
+        return ok
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise ConfigError listing every out-of-range value of the composed config; return None when all fit."""
+    c = _Checker(cfg)
+    c.choice("device", ("cpu", "cuda"))
+    c.int_in("threads", 1, nullable=True)
+    c.int_in("seed", 0)
+
+    c.choice("target.kind", ("tiny", "hf"))
+    if c.get("target.kind") == "hf":
+        c.existing("target.path", directory=True)
+        c.int_in("target.max_seq_len", 2, nullable=True)
+    else:
+        c.int_in("target.max_seq_len", 2)
+
+    c.choice("data.kind", ("stdlib", "text"))
+    c.number_in("data.held_out_fraction", 0.0, 1.0)
+    c.int_in("data.max_bytes", 1, nullable=True)
+
+    c.choice("taps.source", ("generate", "corpus"))
+    for key in ("seq_len", "train_sequences", "held_out_sequences", "shard_sequences", "batch_size"):
+        c.int_in(f"taps.{key}", 1)
+
+    c.choice("draft.kind", ("train", "load"))
+    if c.get("draft.kind") == "load":
+        c.existing("draft.path", directory=True)
+
+    max_m = c.get("export.max_m") if c.int_in("export.max_m", 2) else None
+    ints = [c.int_in("export.default_chain", 1), c.int_in("export.max_prefill_chunk", 1),
+            c.int_in("export.min_prefill_chunk", 1, nullable=True), c.int_in("export.group_size", 2)]
+    max_seq_len = c.get("target.max_seq_len")
+    if max_m is not None and all(ints) and _is_int(max_seq_len):  # target=hf with null: checked at export
+        from pipeline.export_pte import check_export_args
+
+        min_prefill = c.get("export.min_prefill_chunk")
+        try:
+            check_export_args(max_m=max_m, default_chain=c.get("export.default_chain"),
+                              min_prefill_chunk=max_m + 1 if min_prefill is None else min_prefill,
+                              max_prefill_chunk=c.get("export.max_prefill_chunk"), max_seq_len=max_seq_len,
+                              backend=c.get("export.backend"), quant=c.get("export.quant"),
+                              group_size=c.get("export.group_size"))
+        except ValueError as e:
+            c.problems.append(str(e))
+
+    rt = "runtime"
+    if max_m is not None:
+        c.int_in(f"{rt}.chain", 0, max_m - 1, nullable=True)  # 0 = the greedy baseline only
+    c.choice(f"{rt}.policy", ("static", "adaptive"))
+    c.choice(f"{rt}.engine", ("pte", "eager"))
+    c.number_in(f"{rt}.temperature", 0.0)
+    c.int_in(f"{rt}.max_new_tokens", 1)
+    c.int_in(f"{rt}.seed", 0)
+    c.int_in(f"{rt}.n_prompts", 1)
+    c.int_in(f"{rt}.prompt_len", 1)
+    if c.get(f"{rt}.prompts") is not None and c.existing(f"{rt}.prompts", directory=False):
+        try:
+            if not read_prompt_file(Path(c.get(f"{rt}.prompts"))):
+                c.fail(f"{rt}.prompts", c.get(f"{rt}.prompts"), "a file with at least one prompt")
+        except ValueError as e:
+            c.fail(f"{rt}.prompts", c.get(f"{rt}.prompts"), f"a readable prompt file ({e})")
+
+    if c.problems:
+        raise ConfigError("invalid config (set on the command line or in conf/):\n  " + "\n  ".join(c.problems))

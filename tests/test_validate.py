@@ -1,0 +1,81 @@
+"""Bad config values are refused when the config is composed, before any stage runs, naming key and value."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from pipeline.app import CONF_DIR
+from pipeline.validate import ConfigError, check_config
+from pipeline_fakes import run_app, write_fake_stages
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_the_default_and_smoke_configs_pass():
+    check_config(compose_cfg())
+    check_config(compose_cfg("+experiment=smoke", "runtime.chain=7", "runtime.temperature=0.5"))
+
+
+@pytest.mark.parametrize("override, named", [
+    ("runtime.chain=abc", "runtime.chain='abc': an int in [0, 7]"),
+    ("runtime.chain=8", "runtime.chain=8: an int in [0, 7]"),
+    ("runtime.chain=-1", "runtime.chain=-1"),
+    ("runtime.chain=2.5", "runtime.chain=2.5"),
+    ("runtime.max_new_tokens=0", "runtime.max_new_tokens=0: an int in [1, inf]"),
+    ("runtime.temperature=-0.1", "runtime.temperature=-0.1: a number in [0.0, inf]"),
+    ("runtime.temperature=hot", "runtime.temperature='hot'"),
+    ("runtime.n_prompts=0", "runtime.n_prompts=0"),
+    ("runtime.policy=greedy", "runtime.policy='greedy': one of static, adaptive"),
+    ("runtime.engine=cuda", "runtime.engine='cuda': one of pte, eager"),
+    ("runtime.prompts=/no/such/prompts.txt", "runtime.prompts='/no/such/prompts.txt': an existing file"),
+    ("export.max_m=1", "export.max_m=1: an int in [2, inf]"),
+    ("export.max_m=17 export.max_prefill_chunk=32", "export.max_m=17: the small-M kernels take at most 16 rows"),
+    ("export.default_chain=8", "export.default_chain=8: the default K must lie in [1, max_m-1] = [1, 7]"),
+    ("export.backend=cuda", "export.backend='cuda'"),
+    ("export.min_prefill_chunk=4", "straddles the dispatch threshold max_m=8"),
+    ("target=hf", "target.path='???'"),
+    ("target=hf target.path=/no/such/dir", "target.path='/no/such/dir': an existing directory"),
+    ("draft=load draft.path=/no/such/draft", "draft.path='/no/such/draft': an existing directory"),
+    ("taps.source=web", "taps.source='web': one of generate, corpus"),
+    ("device=tpu", "device='tpu': one of cpu, cuda"),
+    ("threads=0", "threads=0"),
+])
+def test_each_bad_value_is_refused_naming_the_key_and_the_value(override, named):
+    cfg = compose_cfg(*override.split())
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert named in str(e.value)
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(ConfigError) as e:
+        check_config(compose_cfg("runtime.chain=99", "runtime.max_new_tokens=0", "runtime.temperature=-1"))
+    assert all(k in str(e.value) for k in ("runtime.chain", "runtime.max_new_tokens", "runtime.temperature"))
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", "not UTF-8 text"),
+    (b'{"prompt": "ok"}\nnot json\n', "line 2 is not JSON"),
+])
+def test_an_unreadable_prompt_file_is_refused_naming_the_file(tmp_path, content, why):
+    path = tmp_path / ("p.jsonl" if b"{" in content else "p.txt")
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        check_config(compose_cfg(f"runtime.prompts={path}"))
+    assert str(path) in str(e.value) and why in str(e.value)
+
+
+def test_a_bad_value_stops_the_job_before_the_first_stage(tmp_path):
+    write_fake_stages(tmp_path / "fakes")
+    t0 = time.perf_counter()
+    r = run_app(["tracking=none", "runtime.chain=abc"], tmp_path / "fakes", tmp_path / "out")
+    assert r.returncode != 0
+    assert "runtime.chain='abc'" in r.stdout + r.stderr
+    assert not (tmp_path / "out" / "store").exists(), "no stage ran"
+    assert time.perf_counter() - t0 < 120
