@@ -10,16 +10,30 @@ JSON, so the same config and the same upstream artifacts always name the same di
 names a new one.
 
 Invariants:
-- A directory that exists under its key is complete. Stages write into a fresh temporary directory
+- A directory under its key with a readable manifest is complete. Stages write into a fresh temporary directory
   `<root>/<stage>/.tmp-<key>-<pid>/`, the manifest is written last, and the directory is renamed into
   place while holding `<root>/.locks/<stage>/<key>.lock`. A second process asking for the same key waits on the
   lock, then finds the finished artifact and logs "cached <stage> <key>"; it never builds it twice.
+- A temporary directory exists only while its build holds the key's lock: a build that raises removes its own
+  before re-raising, and the next build of the key removes any left by a killed process. One whose pid is
+  not a running process, or whose key's lock nobody holds, is stale: `list` and `verify` name it, `repair`
+  removes it (taking the lock first, so the temporary directory of a build in progress is never touched).
 - Loading verifies every file's sha256 against the manifest (once per load) and refuses an artifact whose
-  files were changed, removed or added; `python -m pipeline.store verify` does the same for the whole store.
+  files were changed, removed or added (CorruptArtifact: the run stops, the directory stays for inspection);
+  `python -m pipeline.store verify` does the same for the whole store. `check_artifact` words every
+  problem, for `load`, `verify`, `repair` and the quarantine log alike.
+- A directory under a key without a readable manifest (missing, or not a JSON object) is not an artifact:
+  `verify` reports it, and `get_or_build` moves it, under the lock, to
+  `<root>/.quarantine/<stage>/<key>-<UTC timestamp>/` (logging both paths) before building, so the
+  build's rename always lands. `repair` quarantines every bad directory, tampered ones too. Nothing in the
+  store is deleted except temporary directories and a finished artifact's scratch.
 - Resumable work (training checkpoints, shards) lives in `scratch_dir(stage, key)` =
   `<root>/.scratch/<stage>/<key>/`, which survives a crash and is removed once the artifact is in place.
 
-CLI: `python -m pipeline.store list|verify [--root DIR]` (default root: ./outputs/store).
+CLI: `python -m pipeline.store list|verify|repair [--root DIR]` (default root: `$PIPELINE_OUTPUTS/store`, i.e.
+`outputs/store` under the working directory, as the pipeline's `paths.store`). `verify` exits 1 when any
+artifact is bad; `repair` quarantines bad artifacts and removes stale temporary directories; a root that does
+not exist is an error (exit 2).
 """
 
 from __future__ import annotations
@@ -139,6 +153,69 @@ def scratch_dir(stage: str | None = None, key: str | None = None) -> Path:
     return store.scratch_dir(stage or cur_stage, key or cur_key)
 
 
+@dataclass(frozen=True)
+class Check:
+    """What `check_artifact` found in a directory under a key: its manifest (None when there is no readable
+    one: then the directory is not an artifact) and the problems, in the words every report uses."""
+
+    path: Path
+    manifest: dict | None
+    problems: tuple[str, ...]
+
+    @property
+    def incomplete(self) -> bool:
+        """No readable manifest: nothing to inspect against, so a build may set it aside and rebuild."""
+        return self.manifest is None
+
+
+def check_artifact(path: Path, *, hash_files: bool = True) -> Check:
+    """The one source of problem descriptions (load, verify, repair, quarantine): a missing or unreadable
+    manifest, or (with `hash_files`) every file that differs from it; no problems for a good artifact."""
+    path = Path(path)
+    if not path.is_dir():
+        return Check(path, None, ("not a directory",))
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return Check(path, None, (f"{MANIFEST} missing",))
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        return Check(path, None, (f"{MANIFEST} unreadable ({e})",))
+    except json.JSONDecodeError as e:
+        return Check(path, None, (f"{MANIFEST} is not valid JSON ({e})",))
+    if not isinstance(manifest, dict):
+        return Check(path, None, (f"{MANIFEST} is not a JSON object",))
+    return Check(path, manifest, tuple(verify_files(path, manifest)) if hash_files else ())
+
+
+@dataclass(frozen=True)
+class TempDir:
+    """A build's temporary directory `<root>/<stage>/.tmp-<key>-<pid>/`; `stale` with the reason when its
+    process is not running or nobody holds its key's lock (then no build is writing it)."""
+
+    stage: str
+    key: str
+    pid: int | None
+    path: Path
+    stale: str | None
+
+
+def _pid_running(pid: int | None) -> bool:
+    if pid is None or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _utc_stamp() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
 class Store:
     def __init__(self, root: Path | str = DEFAULT_ROOT):
         self.root = Path(root).absolute()
@@ -151,32 +228,58 @@ class Store:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
+    def lock_path(self, stage: str, key: str) -> Path:
+        return self.root / ".locks" / stage / f"{key}.lock"
+
+    def _lock(self, stage: str, key: str) -> FileLock:
+        self.lock_path(stage, key).parent.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.lock_path(stage, key)))
+
+    def _lock_held(self, stage: str, key: str) -> bool:
+        """Whether some process holds the key's lock right now (probing it creates nothing)."""
+        if not self.lock_path(stage, key).is_file():
+            return False
+        lock = FileLock(str(self.lock_path(stage, key)))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return True
+        except OSError:  # a store we cannot write: assume a build is running rather than call anything stale
+            return True
+        lock.release()
+        return False
+
     def exists(self, stage: str, key: str) -> bool:
-        return (self.path(stage, key) / MANIFEST).is_file()
+        """A finished artifact (a readable manifest) is under the key; its files are not hashed."""
+        return self.manifest(stage, key) is not None
 
     def manifest(self, stage: str, key: str) -> dict | None:
-        """The manifest of a finished artifact, unverified, or None."""
-        path = self.path(stage, key) / MANIFEST
-        return json.loads(path.read_text()) if path.is_file() else None
+        """The manifest of a finished artifact, unverified, or None (no directory, or no readable manifest)."""
+        return check_artifact(self.path(stage, key), hash_files=False).manifest
 
     def load(self, stage: str, key: str, verify: bool = True) -> Artifact | None:
-        """The finished artifact, or None if there is none; raises CorruptArtifact if it was tampered with."""
+        """The finished artifact, or None if there is none (no directory, or one without a readable manifest,
+        which `get_or_build` quarantines); raises CorruptArtifact if its files differ from its manifest."""
         path = self.path(stage, key)
-        manifest_path = path / MANIFEST
-        if not manifest_path.is_file():
+        if not os.path.lexists(path):
             return None
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CorruptArtifact(f"{stage} {key}: manifest.json is not valid JSON ({e})") from e
-        if verify:
-            problems = verify_files(path, manifest)
-            if problems:
-                raise CorruptArtifact(
-                    f"{stage} artifact {path} does not match its manifest: {'; '.join(problems)}. "
-                    f"Delete the directory to rebuild it."
-                )
-        return Artifact(stage=stage, key=key, path=path, manifest=manifest)
+        check = check_artifact(path, hash_files=verify)
+        if check.incomplete:
+            return None
+        if check.problems:
+            raise CorruptArtifact(corrupt_message(self.root, stage, path, check.problems))
+        return Artifact(stage=stage, key=key, path=path, manifest=check.manifest)
+
+    def quarantine(self, stage: str, key: str) -> Path:
+        """Move `<stage>/<key>` to `<root>/.quarantine/<stage>/<key>-<UTC timestamp>/` (a fresh name) and
+        return where it went. The caller holds the key's lock."""
+        parent = self.root / ".quarantine" / stage
+        parent.mkdir(parents=True, exist_ok=True)
+        dest, n = parent / f"{key}-{_utc_stamp()}", 1
+        while os.path.lexists(dest):
+            dest, n = parent / f"{key}-{_utc_stamp()}-{n}", n + 1
+        os.rename(self.path(stage, key), dest)
+        return dest
 
     def get_or_build(
         self,
@@ -188,14 +291,16 @@ class Store:
         upstream: dict[str, str],
         schema_version: int,
     ) -> tuple[Artifact, bool]:
-        """Return (artifact, cached). `build(tmp_dir) -> report` runs at most once per key, store-wide."""
+        """Return (artifact, cached). `build(tmp_dir) -> report` runs at most once per key, store-wide.
+        A directory under the key without a readable manifest is quarantined first; one whose files differ
+        from its manifest stops the run (CorruptArtifact)."""
+        global _current
         found = self.load(stage, key)
         if found is not None:
             log.info("cached %s %s", stage, key)
             return found, True
         (self.root / stage).mkdir(parents=True, exist_ok=True)
-        (self.root / ".locks" / stage).mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(self.root / ".locks" / stage / f"{key}.lock"))
+        lock = self._lock(stage, key)
         try:
             lock.acquire(timeout=0)
         except Timeout:
@@ -206,43 +311,69 @@ class Store:
             if found is not None:
                 log.info("cached %s %s", stage, key)
                 return found, True
-            for stale in (self.root / stage).glob(f".tmp-{key}-*"):  # left by a crashed build; we hold the lock
+            final = self.path(stage, key)
+            if os.path.lexists(final):  # there, but load found no manifest: not an artifact
+                problems = check_artifact(final, hash_files=False).problems
+                log.warning("%s; building %s %s again", quarantine_line(final, self.quarantine(stage, key), problems),
+                            stage, key)
+            for stale in (self.root / stage).glob(f".tmp-{key}-*"):  # left by a killed build; we hold the lock
                 shutil.rmtree(stale, ignore_errors=True)
             tmp = self.root / stage / f".tmp-{key}-{os.getpid()}"
             tmp.mkdir()
-            global _current
-            previous, _current = _current, (self, stage, key)
             try:
-                report = build(tmp)
-            finally:
-                _current = previous
-            manifest = {
-                "stage": stage,
-                "key": key,
-                "schema_version": schema_version,
-                "config": config,
-                "upstream": upstream,
-                "files": hash_tree(tmp),
-                "versions": library_versions(),
-                "git_commit": git_commit(Path(__file__).parent),
-                "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                "report": report if report is not None else {},
-            }
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
-            os.rename(tmp, self.path(stage, key))
+                previous, _current = _current, (self, stage, key)
+                try:
+                    report = build(tmp)
+                finally:
+                    _current = previous
+                manifest = {
+                    "stage": stage,
+                    "key": key,
+                    "schema_version": schema_version,
+                    "config": config,
+                    "upstream": upstream,
+                    "files": hash_tree(tmp),
+                    "versions": library_versions(),
+                    "git_commit": git_commit(Path(__file__).parent),
+                    "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                    "report": report if report is not None else {},
+                }
+                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+                os.rename(tmp, final)
+            except BaseException:  # the build's own temp dir goes with it; scratch stays for the rerun
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             shutil.rmtree(self.root / ".scratch" / stage / key, ignore_errors=True)
-            return Artifact(stage=stage, key=key, path=self.path(stage, key), manifest=manifest), False
+            return Artifact(stage=stage, key=key, path=final, manifest=manifest), False
         finally:
             lock.release()
 
-    def artifacts(self) -> Iterator[tuple[str, str, Path]]:
-        """(stage, key, path) of every finished artifact, sorted."""
+    def _stage_dirs(self) -> list[Path]:
         if not self.root.is_dir():
-            return
-        for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            return []
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def artifacts(self) -> Iterator[tuple[str, str, Path]]:
+        """(stage, key, path) of every entry under a key, finished or not (see `check_artifact`), sorted."""
+        for stage_dir in self._stage_dirs():
             for path in sorted(stage_dir.iterdir()):
-                if path.is_dir() and not path.name.startswith(".") and (path / MANIFEST).is_file():
+                if not path.name.startswith("."):
                     yield stage_dir.name, path.name, path
+
+    def temp_dirs(self) -> Iterator[TempDir]:
+        """Every build's temporary directory, sorted, each with why it is stale (None while a build runs)."""
+        for stage_dir in self._stage_dirs():
+            for path in sorted(stage_dir.glob(".tmp-*")):
+                key, _, pid_text = path.name[len(".tmp-"):].rpartition("-")
+                pid = int(pid_text) if pid_text.isdigit() else None
+                key = key if pid is not None else path.name[len(".tmp-"):]
+                if not _pid_running(pid):
+                    why = f"process {pid} is not running" if pid is not None else "no pid in its name"
+                elif not self._lock_held(stage_dir.name, key):
+                    why = f"nobody holds {self.lock_path(stage_dir.name, key)}"
+                else:
+                    why = None
+                yield TempDir(stage_dir.name, key, pid, path, why)
 
 
 def verify_files(path: Path, manifest: dict) -> list[str]:
@@ -255,6 +386,30 @@ def verify_files(path: Path, manifest: dict) -> list[str]:
     return problems
 
 
+def repair_hint(root: Path, it: str = "it") -> str:
+    return (f"`python -m pipeline.store repair --root {root}` moves {it} to {root / '.quarantine'}/ (or delete "
+            f"{it}); the next run rebuilds {it}")
+
+
+def corrupt_message(root: Path, stage: str, path: Path, problems) -> str:
+    return (f"{stage} artifact {path} does not match its manifest: {'; '.join(problems)}. The run stops so that "
+            f"you can inspect it; then {repair_hint(root)}.")
+
+
+def quarantine_line(path: Path, dest: Path, problems) -> str:
+    return f"quarantined {path} -> {dest} ({'; '.join(problems)})"
+
+
+def default_root() -> Path:
+    """The pipeline's `paths.store`: `$PIPELINE_OUTPUTS/store`, `outputs/store` when it is unset."""
+    return Path(os.environ.get("PIPELINE_OUTPUTS") or "outputs") / "store"
+
+
+def _tree_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()) if path.is_dir() \
+        else path.lstat().st_size
+
+
 def _human_size(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
@@ -263,25 +418,104 @@ def _human_size(n: int) -> str:
     return str(n)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.store", description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=("list", "verify"))
-    parser.add_argument("--root", default=os.environ.get("PIPELINE_STORE", str(DEFAULT_ROOT)))
-    args = parser.parse_args(argv)
-    store = Store(args.root)
+def _stale_line(t: TempDir) -> str:
+    return f"stale temporary dir {t.path} ({t.stale}, {_human_size(_tree_size(t.path))})"
+
+
+def _list(store: Store) -> int:
+    for stage, key, path in store.artifacts():
+        check = check_artifact(path, hash_files=False)
+        if check.incomplete:
+            print(f"{stage:8} {key}  not an artifact: {'; '.join(check.problems)}  {path}")
+        else:
+            created = str(check.manifest.get("created_at", "?"))
+            print(f"{stage:8} {key}  {created:25}  {_human_size(_tree_size(path)):>9}  {path}")
+    for t in store.temp_dirs():
+        if t.stale:
+            print(_stale_line(t))
+    return 0
+
+
+def _verify(store: Store) -> int:
     bad = 0
     for stage, key, path in store.artifacts():
-        manifest = json.loads((path / MANIFEST).read_text())
-        if args.command == "list":
-            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-            print(f"{stage:8} {key}  {manifest.get('created_at', '?'):25}  {_human_size(size):>9}  {path}")
-        else:
-            problems = verify_files(path, manifest)
-            bad += bool(problems)
-            print(f"{'BAD' if problems else 'ok ':3} {stage:8} {key}" + (f"  {'; '.join(problems)}" if problems else ""))
-    if args.command == "verify":
-        print(f"{bad} corrupted artifact(s) under {store.root}" if bad else f"all artifacts under {store.root} verified")
+        problems = check_artifact(path).problems
+        bad += bool(problems)
+        print(f"{'BAD' if problems else 'ok ':3} {stage:8} {key}" + (f"  {'; '.join(problems)}" if problems else ""))
+    stale = [t for t in store.temp_dirs() if t.stale]
+    for t in stale:
+        print(_stale_line(t))
+    if bad:
+        print(f"{bad} bad artifact(s) under {store.root}: a run sets aside one without a readable manifest by "
+              f"itself and refuses the others; inspect them, then {repair_hint(store.root, 'them')}")
+    else:
+        print(f"all artifacts under {store.root} verified")
+    if stale:
+        print(f"{len(stale)} stale temporary dir(s): `python -m pipeline.store repair --root {store.root}` "
+              f"removes them")
     return 1 if bad else 0
+
+
+def _repair(store: Store) -> int:
+    done = left = 0
+    for stage, key, path in store.artifacts():
+        if not check_artifact(path).problems:
+            continue
+        lock = store._lock(stage, key)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            print(f"left {path}: {stage} {key} is being built right now")
+            left += 1
+            continue
+        try:
+            problems = check_artifact(path).problems  # again, now that no build can finish it under us
+            if problems:
+                print(quarantine_line(path, store.quarantine(stage, key), problems))
+                done += 1
+        finally:
+            lock.release()
+    for t in store.temp_dirs():
+        if not t.stale:
+            continue
+        lock = store._lock(t.stage, t.key)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:  # a build of that key has started: it removes the dir itself
+            print(f"left {t.path}: {t.stage} {t.key} is being built right now")
+            left += 1
+            continue
+        try:  # holding the lock: no build of this key is writing it
+            if t.path.exists():
+                size = _human_size(_tree_size(t.path))
+                shutil.rmtree(t.path)
+                print(f"removed {t.path} ({t.stale}, {size})")
+                done += 1
+        finally:
+            lock.release()
+    if done or left:
+        print(f"repaired {done} thing(s) under {store.root}" + (f"; {left} left: run repair again later" if left else ""))
+    else:
+        print(f"nothing to repair under {store.root}")
+    return 1 if left else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.store", description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=("list", "verify", "repair"),
+                        help="list: every artifact and stale temporary dir; verify: re-hash every file against "
+                             "its manifest (exit 1 when any artifact is bad); repair: quarantine bad artifacts "
+                             "and remove stale temporary dirs")
+    parser.add_argument("--root", type=Path, default=None,
+                        help="the store (default: $PIPELINE_OUTPUTS/store, else outputs/store)")
+    args = parser.parse_args(argv)
+    store = Store(args.root if args.root is not None else default_root())
+    if not store.root.is_dir():
+        what = "is not a directory" if os.path.lexists(store.root) else "does not exist"
+        print(f"error: the store root {store.root} {what} (set PIPELINE_OUTPUTS to the pipeline's outputs "
+              f"directory, or pass --root DIR)", file=sys.stderr)
+        return 2
+    return {"list": _list, "verify": _verify, "repair": _repair}[args.command](store)
 
 
 if __name__ == "__main__":

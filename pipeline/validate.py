@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.text import read_prompt_file
 
@@ -33,9 +33,14 @@ class _Checker:
         self.problems: list[str] = []
 
     def get(self, key: str):
+        """The value at a dotted key; None when absent, "???" when mandatory and unset (OmegaConf's MISSING)."""
         node = self.cfg
         for part in key.split("."):
-            node = node.get(part) if node is not None else None
+            if node is None:
+                return None
+            if OmegaConf.is_missing(node, part):
+                return "???"
+            node = node.get(part)
         return node
 
     def fail(self, key: str, value, allowed: str) -> None:

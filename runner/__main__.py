@@ -3,6 +3,8 @@
     python -m runner --pte model.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4
     python -m runner --pte model.pte --tokenizer tokenizer.json --prompt-file prompts.txt --chain 0
 
+A .pte with the export artifact's manifest.json beside it is checked against the sha256 recorded there
+and refused (exit 2) when it differs; one without a manifest runs with a warning that it is unchecked.
 Prints each generation, then tau, decode tokens/s and the per-round timings. `--chain` defaults to the
 .pte's own get_chain_len; 0 is plain greedy decoding through the same file. (The pipeline's eval stage
 does the same from Hydra config, with the lossless check and MLflow.)
@@ -11,6 +13,7 @@ does the same from Hydra config, with the lossless check and MLflow.)
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -56,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenizers import Tokenizer
 
+    engine = PteEngine(args.pte)  # first: a .pte that differs from its manifest is refused before anything else
     tokenizer = Tokenizer.from_file(str(args.tokenizer))
-    engine = PteEngine(args.pte)
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     stops = stop_ids(tokenizer, args.stop)
     for text in prompts:
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")  # e.g. an unchecked .pte
     try:
         sys.exit(main())
     except ValueError as e:  # refusals (K out of range, prompt too long) read as one line

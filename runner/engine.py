@@ -16,18 +16,26 @@ back: a later call at the same positions overwrites stale slots, and slots beyon
 prefill range), sliding_window (smallest window of any layer, or None), manifest_hash, d2t (LongTensor[Vd]).
 
 - `PteEngine`: a .pte through `executorch.runtime` (what ships). The runtime accepts T below a method's
-  exported minimum without complaint, so the loop (runner.generate) enforces the bounds itself.
+  exported minimum without complaint, so the loop (runner.generate) enforces the bounds itself. A .pte with
+  a manifest.json beside it (the export artifact's) is loaded only when its sha256 is the one the manifest's
+  `files` records (`check_pte`); one without a manifest is loaded unchecked, with a warning saying so.
 - `EagerEngine`: `models.Speculator` in PyTorch on CPU or CUDA (the same module the .pte was traced from).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import pathlib
 from typing import Protocol
 
 import torch
 
 from runner import quiet
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"  # the store's (pipeline/store.py): {"files": {relative path: sha256}, ...}
 
 CONSTANT_METHODS = {
     "max_m": "get_max_m",
@@ -59,16 +67,55 @@ def _scalar(value):
     return int(value)
 
 
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_pte(path: str | pathlib.Path) -> bool:
+    """Check the .pte (and its .ptd, when the manifest lists one) against the sha256 that the manifest.json in
+    its directory records; True when checked, False (after one warning) when there is no manifest. Raises
+    ValueError naming the file and both hashes on a mismatch, or when the manifest does not list the .pte."""
+    path = pathlib.Path(path)
+    manifest_path = path.parent / MANIFEST
+    if not manifest_path.is_file():
+        log.warning("no manifest beside %s: its contents are not checked", path)
+        return False
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{manifest_path} beside {path} is not a readable manifest ({e})") from e
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or path.name not in files:
+        raise ValueError(f"{manifest_path} does not list {path.name} in its files: it is not the manifest of {path}")
+    for f in (path, path.with_suffix(".ptd")):
+        if f.name in files:
+            if not f.is_file():
+                raise ValueError(f"{manifest_path} lists {f.name}, but there is no {f}")
+            actual = _sha256(f)
+            if actual != files[f.name]:
+                raise ValueError(f"{f} has sha256 {actual}, but {manifest_path} records {files[f.name]}: the file "
+                                 f"changed after export; rebuild it (python -m pipeline.store repair, then rerun "
+                                 f"the pipeline) or put the exported file back")
+    return True
+
+
 class PteEngine:
     """One loaded ExecuTorch program. Its methods share the mutable KV caches, so one PteEngine serves any
-    number of generations in sequence: every generation rewrites the cache from position 0."""
+    number of generations in sequence: every generation rewrites the cache from position 0. The file is
+    checked against the manifest beside it before it is loaded (`check_pte`)."""
 
     def __init__(self, path: str | pathlib.Path):
-        from executorch.runtime import Runtime
-
         self.path = pathlib.Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no .pte at {self.path}")
+        self.checked = check_pte(self.path)
+
+        from executorch.runtime import Runtime
+
         ptd = self.path.with_suffix(".ptd")
         self.program = Runtime.get().load_program(
             self.path, data_path=ptd if ptd.is_file() else None

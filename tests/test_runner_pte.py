@@ -165,3 +165,59 @@ def test_the_command_line_runner_prints_text_tau_and_timings(tiny_pte, tmp_path,
     assert "tau" in out and "tokens/s" in out and "verify_ms" in out
     with pytest.raises(ValueError, match=r"outside the valid range \[1, 5\]"):
         main([*args, "--prompt", "w5", "--chain", "6"])
+
+
+def _pte_with_manifest(tiny_pte, where, files=None):
+    """A copy of the tiny .pte in `where`, beside a manifest.json like the export artifact's."""
+    import hashlib
+    import json
+    import shutil
+
+    where.mkdir()
+    path = where / "model.pte"
+    shutil.copyfile(tiny_pte.path, path)
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    (where / "manifest.json").write_text(json.dumps({"stage": "export", "files": files or {"model.pte": sha}}))
+    return path, sha
+
+
+def test_a_pte_changed_after_export_is_refused_naming_the_file_and_both_hashes(tiny_pte, tmp_path):
+    import hashlib
+
+    path, recorded = _pte_with_manifest(tiny_pte, tmp_path / "export")
+    assert PteEngine(path).meta["max_m"] == tiny_pte.max_m, "the recorded sha256 matches: it loads"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    actual = hashlib.sha256(bytes(data)).hexdigest()
+    with pytest.raises(ValueError, match=rf"{path}.*sha256 {actual}.*{tmp_path / 'export' / 'manifest.json'}"
+                                         rf".*records {recorded}"):
+        PteEngine(path)
+
+
+def test_a_manifest_that_does_not_list_the_pte_is_refused(tiny_pte, tmp_path):
+    path, _ = _pte_with_manifest(tiny_pte, tmp_path / "export", files={"other.bin": "0" * 64})
+    with pytest.raises(ValueError, match=r"does not list model.pte"):
+        PteEngine(path)
+
+
+def test_a_pte_without_a_manifest_beside_it_is_loaded_with_one_warning(tiny_pte, caplog):
+    with caplog.at_level("WARNING", logger="runner.engine"):
+        PteEngine(tiny_pte.path)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"no manifest beside {tiny_pte.path}: its contents are not checked"]
+
+
+def test_the_command_line_runner_refuses_a_changed_pte(tiny_pte, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path, recorded = _pte_with_manifest(tiny_pte, tmp_path / "export")
+    path.write_bytes(path.read_bytes() + b"\0")
+    (tmp_path / "tokenizer.json").write_text("{}")  # never read: the .pte is checked first
+    res = subprocess.run([sys.executable, "-m", "runner", "--pte", str(path), "--tokenizer",
+                          str(tmp_path / "tokenizer.json"), "--prompt", "w5"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith(f"error: {path} has sha256 ") and recorded in res.stderr

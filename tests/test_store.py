@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -137,3 +140,158 @@ def test_racing_processes_produce_one_artifact(tmp_path):
     assert len({r[1] for r in results}) == 1
     assert [p.name for p in (tmp_path / "store" / "export").iterdir() if p.is_dir()] == ["same-key"]
     assert Store(tmp_path / "store").load("export", "same-key") is not None
+
+
+# --- directories that are not finished artifacts, stale temp dirs, the CLI's root (issue 26) -------------
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _quarantined(root: Path, stage: str, key: str) -> list[Path]:
+    return sorted((root / ".quarantine" / stage).glob(f"{key}-*"))
+
+
+@pytest.mark.parametrize("manifest", [None, '{"stage": "export", "files": {'])
+def test_a_directory_without_a_readable_manifest_fails_verify_and_is_set_aside_by_the_build(
+        tmp_path, manifest, capsys, caplog):
+    """A crash or a user can leave `<stage>/<key>/` without its manifest: verify says so (status 1), and the
+    next build moves it to .quarantine/ (never deleting it) instead of failing at the rename."""
+    partial = tmp_path / "export" / "abc"
+    partial.mkdir(parents=True)
+    (partial / "model.pte").write_bytes(b"half a program")
+    if manifest is not None:
+        (partial / "manifest.json").write_text(manifest)
+    problem = "manifest.json missing" if manifest is None else "manifest.json is not valid JSON"
+
+    assert store_mod.main(["verify", "--root", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "BAD export   abc" in out and problem in out and "verified" not in out
+    assert Store(tmp_path).exists("export", "abc") is False
+
+    calls: list = []
+    with caplog.at_level("WARNING", logger="pipeline.store"):
+        art, cached = Store(tmp_path).get_or_build("export", "abc", build_counting(calls), config={}, upstream={},
+                                                   schema_version=1)
+    assert not cached and len(calls) == 1 and art.path == partial
+    assert (partial / "weights.bin").is_file() and not (partial / "model.pte").exists()
+    [moved] = _quarantined(tmp_path, "export", "abc")
+    assert (moved / "model.pte").read_bytes() == b"half a program", "set aside, not deleted"
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert str(partial) in warning and str(moved) in warning and problem in warning
+    assert store_mod.main(["verify", "--root", str(tmp_path)]) == 0
+
+
+def test_a_tampered_artifact_is_refused_verify_says_how_to_repair_and_repair_sets_it_aside(tmp_path, capsys):
+    store = Store(tmp_path)
+    art, _ = store.get_or_build("draft", "k1", build_counting([]), config={}, upstream={}, schema_version=1)
+    store.get_or_build("draft", "k2", build_counting([]), config={}, upstream={}, schema_version=1)
+    (art.path / "weights.bin").write_bytes(b"edited")
+    with pytest.raises(CorruptArtifact, match="weights.bin sha256 differs") as refused:
+        store.load("draft", "k1")
+    assert "python -m pipeline.store repair" in str(refused.value) and str(art.path) in str(refused.value)
+    with pytest.raises(CorruptArtifact, match="weights.bin sha256 differs"):  # the run stops; nothing is moved
+        store.get_or_build("draft", "k1", build_counting([]), config={}, upstream={}, schema_version=1)
+    assert (art.path / "weights.bin").read_bytes() == b"edited"
+
+    assert store_mod.main(["verify", "--root", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "BAD draft    k1  weights.bin sha256 differs" in out and "ok  draft    k2" in out
+    assert "python -m pipeline.store repair" in out
+
+    assert store_mod.main(["repair", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    [moved] = _quarantined(tmp_path, "draft", "k1")
+    assert f"quarantined {art.path} -> {moved}" in out and "weights.bin sha256 differs" in out
+    assert (moved / "weights.bin").read_bytes() == b"edited" and not art.path.exists()
+    assert store.load("draft", "k2") is not None, "a good artifact is left where it is"
+    assert store_mod.main(["verify", "--root", str(tmp_path)]) == 0
+    _, cached = store.get_or_build("draft", "k1", build_counting([]), config={}, upstream={}, schema_version=1)
+    assert cached is False and store.load("draft", "k1") is not None
+
+
+def test_the_cli_refuses_a_root_that_does_not_exist(tmp_path, capsys):
+    for command in ("verify", "list", "repair"):
+        assert store_mod.main([command, "--root", str(tmp_path / "nope")]) == 2
+        err = capsys.readouterr().err
+        assert str(tmp_path / "nope") in err and "does not exist" in err
+
+
+def test_the_cli_default_root_is_pipeline_outputs_store(tmp_path, monkeypatch, capsys):
+    Store(tmp_path / "out" / "store").get_or_build("export", "a", build_counting([]), config={}, upstream={},
+                                                   schema_version=1)
+    monkeypatch.setenv("PIPELINE_OUTPUTS", str(tmp_path / "out"))
+    monkeypatch.setenv("PIPELINE_STORE", str(tmp_path / "elsewhere"))  # not read any more
+    assert store_mod.main(["list"]) == 0
+    assert capsys.readouterr().out.split()[:2] == ["export", "a"]
+    monkeypatch.delenv("PIPELINE_OUTPUTS")
+    monkeypatch.chdir(tmp_path / "out" / "..")
+    assert store_mod.main(["verify"]) == 2, "outputs/store under the working directory, which has none"
+    assert str(Path("outputs") / "store") in capsys.readouterr().err
+    (tmp_path / "out").rename(tmp_path / "outputs")
+    assert store_mod.main(["verify"]) == 0
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_build_removes_its_own_temp_dir(tmp_path, error):
+    store = Store(tmp_path)
+    seen = []
+
+    def build(out: Path) -> dict:
+        seen.append(out)
+        (out / "half.bin").write_text("half")
+        raise error("interrupted")
+
+    with pytest.raises(error):
+        store.get_or_build("target", "k", build, config={}, upstream={}, schema_version=1)
+    assert seen and not seen[0].exists() and list((tmp_path / "target").iterdir()) == []
+
+
+LIVE_BUILD = """
+import sys
+from pathlib import Path
+from pipeline.store import Store
+
+def build(out: Path) -> dict:
+    (out / "half.bin").write_text("half")
+    print(out, flush=True)
+    sys.stdin.read()  # until the test closes stdin
+    (out / "model.pte").write_bytes(b"pte")
+    return {}
+
+Store(sys.argv[1]).get_or_build("export", "live", build, config={}, upstream={}, schema_version=1)
+"""
+
+
+def test_stale_temp_dirs_are_listed_and_repaired_and_a_live_build_is_left_alone(tmp_path, capsys):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale_dead = tmp_path / "export" / f".tmp-gone-{dead.pid}"  # its process has exited
+    stale_free = tmp_path / "export" / f".tmp-free-{os.getpid()}"  # a running pid, but nobody holds the lock
+    for d in (stale_dead, stale_free):
+        d.mkdir(parents=True)
+        (d / "half.bin").write_text("half")
+    live = subprocess.Popen([sys.executable, "-c", LIVE_BUILD, str(tmp_path)], cwd=REPO, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        live_tmp = Path(live.stdout.readline().strip())
+        assert live_tmp == tmp_path / "export" / f".tmp-live-{live.pid}" and live_tmp.is_dir()
+
+        assert store_mod.main(["list", "--root", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert f"stale temporary dir {stale_dead}" in out and f"stale temporary dir {stale_free}" in out
+        assert str(live_tmp) not in out
+        assert store_mod.main(["verify", "--root", str(tmp_path)]) == 0, "stale temp dirs waste space, no more"
+        out = capsys.readouterr().out
+        assert str(stale_dead) in out and str(stale_free) in out and str(live_tmp) not in out
+        assert "python -m pipeline.store repair" in out
+
+        assert store_mod.main(["repair", "--root", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert f"removed {stale_dead}" in out and f"removed {stale_free}" in out
+        assert not stale_dead.exists() and not stale_free.exists()
+        assert (live_tmp / "half.bin").read_text() == "half", "the running build's temp dir is not touched"
+    finally:
+        live.stdin.close()
+        assert live.wait(timeout=60) == 0
+    assert Store(tmp_path).load("export", "live").manifest["files"].keys() == {"half.bin", "model.pte"}
+    assert store_mod.main(["verify", "--root", str(tmp_path)]) == 0
+    assert "stale temporary dir" not in capsys.readouterr().out
