@@ -74,9 +74,10 @@ def plot(rows: list[dict], best: dict, path: Path) -> None:
 
 
 def failed_lines(results: list[dict]) -> list[str]:
-    """One line per job that did not end ok: its number, overrides and the first line of its error."""
+    """One line per job that did not end ok: its number, overrides and its error on one line."""
     return [f"- job {r.get('job_num')} ({' '.join(r.get('overrides', []))}): failed: "
-            f"{(r.get('error') or 'no error recorded').splitlines()[0]}" for r in results if r.get("status") != "ok"]
+            f"{' '.join((r.get('error') or 'no error recorded').split())[:400]}"
+            for r in results if r.get("status") != "ok"]
 
 
 def summarize(results: list[dict], sweep_dir: Path) -> dict:

@@ -96,7 +96,7 @@ def test_sweep_summary_table_plot_best_k_and_failed_jobs(tmp_path):
     assert summary == {"best_chain": 2, "best_tokens_per_s": 210.0, "best_speedup": 2.1, "best_tau": 2.6,
                        "failed_jobs": 1}
     text = (tmp_path / "summary.md").read_text()
-    assert "best K = 2" in text and "job 3 (runtime.chain=9): failed: ConfigError: runtime.chain=9" in text
+    assert "best K = 2" in text and "job 3 (runtime.chain=9): failed: ConfigError: runtime.chain=9: an int in [0, 7] more" in text
     assert (tmp_path / "summary.png").stat().st_size > 1000
 
 
