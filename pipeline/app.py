@@ -144,6 +144,7 @@ class Job:
         add_fingerprints(self.cfg, mods)
         keys = plan_keys(self.cfg, mods)
         commit = git_commit(Path(__file__).parent)
+        tracking.close_stale_runs(self.tracker)  # left RUNNING by a job that was killed (SIGKILL) before this one
         parent = tracking.sweep_parent(self.tracker, self.sweep_dir) if self.sweep_dir else None
         name = f"job {self.job_num}: {' '.join(self.overrides)}" if self.sweep_dir else \
             "pipeline" + (f": {' '.join(self.overrides)}" if self.overrides else "")
@@ -168,7 +169,8 @@ class Job:
         finally:
             write_result(self.job_dir, {"job_num": self.job_num, "overrides": self.overrides,
                                         "job_dir": str(self.job_dir), "status": status, "error": error,
-                                        "mlflow_run_id": self.run_id, "stages": self.results})
+                                        "mlflow_run_id": self.run_id, "tracking": self.tracker.note(),
+                                        "stages": self.results})
 
     def _note_unneeded(self, name: str, key: str) -> None:
         """A stage nothing downstream needs loaded (its consumers are cached): report it without loading."""
@@ -232,8 +234,10 @@ class Job:
         if self.tracker.enabled:
             lines.append(f"MLflow:  {self.tracker.uri}   (run {self.run_id})")
             lines.append(f"  look at it with: {tracking.ui_command(self.tracker.uri, self.tracker.experiment_id)}")
+            if note := self.tracker.note():
+                lines.append(f"  {note}")
         else:
-            lines.append("MLflow:  off (tracking.enabled=false)")
+            lines.append(f"MLflow:  off ({self.tracker.reason})")
         return "\n".join(lines)
 
 

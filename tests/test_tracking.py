@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from pipeline import tracking
-from pipeline_fakes import run_app, write_fake_stages
+from pipeline_fakes import run_app, seed_mlflow_db, write_fake_stages
 
 
 def runs_of(outputs):
@@ -97,3 +104,228 @@ def test_experiment_opens_as_model_training_in_the_ui(tmp_path):
     assert kind() is None
     tracking.open_tracker({"enabled": True, "experiment": "eagle3"}, tmp_path)
     assert kind() == "custom_model_development"
+
+
+# --- concurrency, degraded tracking, stale runs (issue 26) ---------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+OPEN_AT_GO = """
+import sys, time
+from pathlib import Path
+from mlflow.tracking import MlflowClient  # noqa: F401  (imported before the barrier: the opens start together)
+import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+from pipeline import tracking
+outputs, go = Path(sys.argv[1]), Path(sys.argv[2])
+Path(sys.argv[3]).touch()
+while not go.exists():
+    time.sleep(0.005)
+t = tracking.open_tracker({"enabled": True, "experiment": "eagle3", "required": True}, outputs)
+t.end_run(t.start_run("p"))
+print(t.experiment_id)
+"""
+
+
+def test_processes_opening_one_empty_outputs_dir_together_all_succeed(tmp_path):
+    out, go = tmp_path / "out", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", OPEN_AT_GO, str(out), str(go), str(tmp_path / f"ready{i}")],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(3)]
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"ready{i}").exists() for i in range(3)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()
+    results = [(p.wait(60), *p.communicate()) for p in procs]
+    assert [rc for rc, _, _ in results] == [0, 0, 0], [err[-2000:] for _, _, err in results]
+    assert len({o.strip() for _, o, _ in results}) == 1, "one experiment for all of them"
+    assert len(runs_of(out)) == 3
+
+
+def hold_lock(db: Path):
+    """A connection holding an EXCLUSIVE lock on `db` (readers and writers wait) until closed."""
+    import sqlite3
+
+    con = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    con.execute("BEGIN EXCLUSIVE")
+    return con
+
+
+def test_a_locked_store_costs_a_few_seconds_and_one_warning(tmp_path, caplog):
+    seed_mlflow_db(tmp_path)
+    tracker = tracking.open_tracker({"enabled": True, "experiment": "eagle3"}, tmp_path)
+    run = tracker.start_run("r")
+    con = hold_lock(tmp_path / "mlflow.db")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="pipeline.tracking"):
+        for i in range(20):
+            tracker.log_metrics(run, {"loss": 1.0}, step=i)  # skipped, not raised
+    assert time.monotonic() - t0 < 10
+    warnings = [r for r in caplog.records if r.name == "pipeline.tracking" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "database is locked" in warnings[0].getMessage()
+    assert tracker.uri in warnings[0].getMessage()
+    assert sum(tracker.skipped.values()) == 20 and "20" in tracker.note()
+    con.close()
+    tracker.end_run(run)  # the run's end is tried even while calls are being skipped, and the store is back
+    assert tracker.client.get_run(run).info.status == "FINISHED"
+    tracker.log_metrics(run, {"loss": 2.0}, step=99)
+    assert [m.step for m in tracker.client.get_metric_history(run, "loss")] == [99]
+
+
+LOCKING_DRAFT = '''
+import json, os, subprocess, sys, time
+from pathlib import Path
+from pipeline import tracking
+
+SCHEMA_VERSION = 1
+UPSTREAM = ("taps",)
+CONFIG_KEYS = ("draft",)
+CONTENT_ADDRESSED = True
+
+LOCKER = """
+import sqlite3, sys, time
+from pathlib import Path
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("BEGIN EXCLUSIVE")
+Path(sys.argv[2]).write_text("locked")
+t0 = time.monotonic()
+while not Path(sys.argv[3]).exists() and time.monotonic() - t0 < 60:
+    time.sleep(0.02)
+"""
+
+
+def run(cfg, upstream, out):
+    outputs = Path(cfg.paths.outputs)
+    locked = outputs / "locked"
+    subprocess.Popen([sys.executable, "-c", LOCKER, str(outputs / "mlflow.db"), str(locked), str(outputs / "release")],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # not the job's
+    while not locked.exists():
+        time.sleep(0.01)
+    tracking.log_metrics({"step_metric": 1.0}, step=1)
+    (out / "draft.json").write_text("{}")
+    return {"value": 1.0}
+'''
+
+
+def test_a_store_locked_by_another_process_during_a_stage_does_not_fail_the_job(tmp_path, monkeypatch):
+    # The lock is held until the job has ended: every MLflow call after it starts fails.
+    monkeypatch.setenv("PIPELINE_TRACKING_RETRY_S", "1")
+    monkeypatch.setenv("PIPELINE_SQLITE_BUSY_S", "0.5")
+    fakes, out = tmp_path / "fakes", tmp_path / "out"
+    write_fake_stages(fakes)
+    (fakes / "fakestages" / "draft.py").write_text(LOCKING_DRAFT)
+    try:
+        t0 = time.monotonic()
+        r = run_app(["+stage=export"], fakes, out)
+        elapsed = time.monotonic() - t0
+    finally:
+        (out / "release").touch()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert elapsed < 20
+    log = r.stdout + r.stderr
+    assert len([line for line in log.splitlines() if "WARNING" in line and "database is locked" in line]) == 1, log
+    result = json.loads(next((out / "runs").rglob("result.json")).read_text())
+    assert result["status"] == "ok" and result["stages"]["draft"]["cached"] is False
+    assert (Path(result["stages"]["draft"]["path"]) / "draft.json").is_file()
+    assert result["stages"]["export"]["path"] and Path(result["stages"]["export"]["path"]).is_dir()
+
+
+BAD_URI = "sqlite:////proc/nope/mlflow.db"  # no one can create a directory under /proc, root included
+
+
+def test_an_unusable_store_turns_tracking_off_for_the_job_quickly(tmp_path, caplog):
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="pipeline.tracking"):
+        tracker = tracking.open_tracker({"enabled": True, "uri": BAD_URI}, tmp_path)
+    assert time.monotonic() - t0 < 15
+    assert not tracker.enabled and BAD_URI in tracker.note()
+    assert any(BAD_URI in r.getMessage() for r in caplog.records)
+    with tracker.run("x") as run_id:  # every call a no-op
+        tracker.log_metrics(run_id, {"a": 1.0})
+    with pytest.raises(tracking.TrackingError, match="/proc/nope/mlflow.db"):
+        tracking.open_tracker({"enabled": True, "uri": BAD_URI, "required": True}, tmp_path)
+
+
+UNREACHABLE = """
+import socket, sys, time
+from pipeline import tracking
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()  # nothing listens there
+t0 = time.monotonic()
+t = tracking.open_tracker({"enabled": True, "uri": f"http://127.0.0.1:{port}"}, sys.argv[1])
+print(t.enabled, round(time.monotonic() - t0, 1))
+"""
+
+
+def test_an_unreachable_server_turns_tracking_off_quickly(tmp_path):
+    r = subprocess.run([sys.executable, "-c", UNREACHABLE, str(tmp_path)], cwd=REPO, capture_output=True,
+                       text=True, timeout=30, env=dict(os.environ, NO_PROXY="127.0.0.1", no_proxy="127.0.0.1"))
+    assert r.returncode == 0, r.stderr
+    enabled, seconds = r.stdout.split()
+    assert enabled == "False" and float(seconds) < 15
+
+
+def test_an_unwritable_artifact_root_skips_the_artifact_only(tmp_path, caplog):
+    seed_mlflow_db(tmp_path)
+    tracker = tracking.open_tracker({"enabled": True, "experiment": "art", "artifact_root": "/proc/nope/art"},
+                                    tmp_path)
+    (tmp_path / "result.txt").write_text("x")
+    with caplog.at_level(logging.WARNING, logger="pipeline.tracking"):
+        with tracker.run("r") as run_id:
+            with tracking.activate(tracker, run_id):
+                tracking.log_artifact(tmp_path / "result.txt")
+                tracking.log_metrics({"after": 1.0})
+    assert any("log_artifact" in r.getMessage() for r in caplog.records)
+    run = tracker.client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["after"] == 1.0
+
+
+def test_a_job_with_an_unusable_store_succeeds_unless_tracking_is_required(tmp_path):
+    write_fake_stages(tmp_path / "fakes")
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    r = run_app(["+stage=taps", f"tracking.uri='{BAD_URI}'"], tmp_path / "fakes", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 20
+    assert "/proc/nope/mlflow.db" in r.stdout + r.stderr
+    r = run_app(["+stage=taps", f"tracking.uri='{BAD_URI}'", "tracking.required=true"], tmp_path / "fakes", out)
+    assert r.returncode != 0
+    assert "TrackingError" in r.stderr and "/proc/nope/mlflow.db" in r.stderr
+
+
+def test_runs_end_failed_or_killed_and_carry_pid_and_host(tmp_path):
+    seed_mlflow_db(tmp_path)
+    tracker = tracking.open_tracker({"enabled": True, "experiment": "eagle3"}, tmp_path)
+    ids = {}
+    for exc, status in ((RuntimeError, "FAILED"), (KeyboardInterrupt, "KILLED")):
+        with pytest.raises(exc):
+            with tracker.run(status) as ids[status]:
+                raise exc("boom")
+    for status, run_id in ids.items():
+        run = tracker.client.get_run(run_id)
+        assert run.info.status == status
+        assert run.data.tags["pid"] == str(os.getpid()) and run.data.tags["host"] == socket.gethostname()
+
+
+START_AND_WAIT = """
+import sys, time
+from pipeline import tracking
+t = tracking.open_tracker({"enabled": True, "experiment": "eagle3"}, sys.argv[1])
+print(t.start_run("doomed"), flush=True)
+time.sleep(120)
+"""
+
+
+def test_runs_of_a_sigkilled_job_are_closed_as_killed(tmp_path):
+    seed_mlflow_db(tmp_path)
+    p = subprocess.Popen([sys.executable, "-c", START_AND_WAIT, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                         text=True)
+    doomed = p.stdout.readline().strip()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    tracker = tracking.open_tracker({"enabled": True, "experiment": "eagle3"}, tmp_path)
+    alive = tracker.start_run("alive")  # this process's own run is not stale
+    assert tracker.client.get_run(doomed).info.status == "RUNNING"
+    assert tracking.close_stale_runs(tracker) == [doomed]
+    assert tracker.client.get_run(doomed).info.status == "KILLED"
+    assert tracker.client.get_run(alive).info.status == "RUNNING"
+    assert tracking.close_stale_runs(tracker) == []
+    assert tracking.close_stale_runs(tracking.NullTracker()) == []
