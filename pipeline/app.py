@@ -45,8 +45,11 @@ EXIT_BAD_CONFIG = 2
 OmegaConf.register_new_resolver("pid", os.getpid, use_cache=True)
 
 
-def write_result(job_dir: Path, result: dict) -> None:
+def write_result(job_dir: Path, *, job_num: int, overrides: list[str], status: str, error: str | None,
+                 mlflow_run_id: str | None = None, tracking_note: str | None = None, stage_results=None) -> None:
     """`<job dir>/result.json`, written atomically (the multirun summary may read it at any time)."""
+    result = {"job_num": job_num, "overrides": overrides, "job_dir": str(job_dir), "status": status, "error": error,
+              "mlflow_run_id": mlflow_run_id, "tracking": tracking_note, "stages": stage_results or {}}
     job_dir.mkdir(parents=True, exist_ok=True)
     tmp = job_dir / (RESULT_FILE + ".tmp")
     tmp.write_text(json.dumps(result, indent=2, default=str))
@@ -167,10 +170,8 @@ class Job:
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
-            write_result(self.job_dir, {"job_num": self.job_num, "overrides": self.overrides,
-                                        "job_dir": str(self.job_dir), "status": status, "error": error,
-                                        "mlflow_run_id": self.run_id, "tracking": self.tracker.note(),
-                                        "stages": self.results})
+            write_result(self.job_dir, job_num=self.job_num, overrides=self.overrides, status=status, error=error,
+                         mlflow_run_id=self.run_id, tracking_note=self.tracker.note(), stage_results=self.results)
 
     def _note_unneeded(self, name: str, key: str) -> None:
         """A stage nothing downstream needs loaded (its consumers are cached): report it without loading."""
@@ -275,8 +276,7 @@ def main(cfg: DictConfig) -> None:
     try:
         check_config(cfg)
     except ConfigError as e:
-        write_result(job_dir, {"job_num": job_num, "overrides": overrides, "job_dir": str(job_dir),
-                               "status": "failed", "error": str(e), "mlflow_run_id": None, "stages": {}})
+        write_result(job_dir, job_num=job_num, overrides=overrides, status="failed", error=str(e))
         log.error("%s", e)
         if multirun:
             return  # recorded: the sweep summary lists the job as failed

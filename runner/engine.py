@@ -108,11 +108,13 @@ class PteEngine:
     number of generations in sequence: every generation rewrites the cache from position 0. The file is
     checked against the manifest beside it before it is loaded (`check_pte`)."""
 
-    def __init__(self, path: str | pathlib.Path):
+    def __init__(self, path: str | pathlib.Path, *, verified: bool = False):
+        """`verified=True`: the caller has already checked the file against its manifest (the store does when
+        it loads an artifact), so it is not hashed a second time."""
         self.path = pathlib.Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no .pte at {self.path}")
-        self.checked = check_pte(self.path)
+        self.checked = verified or check_pte(self.path)
 
         from executorch.runtime import Runtime
 

@@ -50,7 +50,7 @@ CONTENT_ADDRESSED = False
 
 
 def load_engine(cfg: DictConfig, upstream: dict):
-    pte = PteEngine(pte_path(upstream["export"]))
+    pte = PteEngine(pte_path(upstream["export"]), verified=True)  # Store.load re-hashed every file of the artifact
     if cfg.runtime.engine == "pte":
         return pte
     if cfg.runtime.engine != "eager":
