@@ -173,6 +173,12 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
     check_max_m(max_m)
     windows = {}
     cfg = getattr(model, "cfg", None)
+    unsupported = {k: getattr(cfg, k, None) for k in ("norm_unit_offset", "hidden_act", "attn_logit_softcap")}
+    unsupported = {k: v for k, v in unsupported.items() if v not in (None, False, "silu")}
+    if unsupported:
+        # The kernels implement (w * x) RMSNorm, SwiGLU and uncapped attention only (Gemma 3 needs all three).
+        raise NotImplementedError(f"to_kernels: {unsupported} is not implemented by the kernels "
+                                  f"(RMSNorm without unit offset, SwiGLU, attention without soft-cap)")
     for i, layer in enumerate(getattr(model, "layers", [])):
         attn = getattr(layer, "self_attn", None)
         if attn is not None and cfg is not None and hasattr(cfg, "window"):

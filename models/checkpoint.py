@@ -1,8 +1,10 @@
 """Checkpoints: our own target format, the vLLM "speculators" draft layout, and target/draft validation.
 
-Target (ours): `config.json` = TargetConfig.to_dict(), `model.safetensors` = Transformer.state_dict()
-(the caches and RoPE tables are non-persistent buffers, so they are not in it; a tied lm_head is stored
-once, as embed_tokens.weight), optional `tokenizer.json` copied beside them.
+Target (ours): `config.json` = TargetConfig.to_dict(), every field (the Gemma options included), so a
+load rebuilds the same model; a field missing from the file takes its default (the Llama behaviour), and an
+unknown one is refused. `model.safetensors` = Transformer.state_dict() (the caches and RoPE tables are
+non-persistent buffers, so they are not in it; a tied lm_head is stored once, as embed_tokens.weight),
+optional `tokenizer.json` copied beside them.
 
 Draft (speculators, Eagle3): `config.json` with speculators_model_type "eagle3", transformer_layer_config
 (a Llama config of the single layer), draft_vocab_size, target_hidden_size, norm_before_residual,

@@ -16,6 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 
 ROPE_SCALING_TYPES = ("default", "linear", "llama3")
+# The MLP's gate activation (HF names): silu is SwiGLU (Llama family), gelu_pytorch_tanh GeGLU (Gemma).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def default_taps(n_layers: int) -> tuple[int, int, int]:
@@ -60,11 +62,25 @@ def check_rope_scaling(rope_scaling: dict | None, where: str = "rope_scaling") -
 
 @dataclass
 class TargetConfig:
-    """A decoder-only Llama-family transformer (Llama, Mistral, Qwen2, Qwen3 options).
+    """A decoder-only transformer: the Llama family (Llama, Mistral, Qwen2, Qwen3) and Gemma 3 as options.
 
+    Every option's default is the Llama behaviour, so a Llama config sets none of the Gemma ones.
     `sliding_window` is None (no layer windowed) or a per-layer list of window sizes (None = full
     attention for that layer); a key is visible to a query when query_pos - window < key_pos <= query_pos.
     `max_seq_len` sizes the static KV cache and the RoPE tables.
+
+    Gemma options (HF keys of a gemma3_text config.json in brackets):
+      hidden_act          the MLP's gate activation, one of ACTIVATIONS [hidden_activation; Llama: hidden_act]
+      norm_unit_offset    every RMSNorm scales by (1 + weight), in float32 (Gemma's norm) instead of by weight
+      output_norms        each sublayer's output is normed before the residual add (attn_output_norm,
+                          mlp_output_norm) [post_attention_layernorm, post_feedforward_layernorm]
+      attn_scale          the factor on q.k before the softmax; None = head_dim ** -0.5
+                          [query_pre_attn_scalar ** -0.5]
+      attn_logit_softcap  attention scores become tanh(s / cap) * cap before the mask; None = off
+      logit_softcap       the same on the final logits [final_logit_softcapping]
+      rope_local_theta    RoPE base of the windowed layers, with default (unscaled) RoPE; the other layers
+                          keep rope_theta and rope_scaling; None = one RoPE for every layer [rope_local_base_freq]
+      embed_scale         the embedding output is multiplied by it (Gemma: sqrt(hidden_size))
     """
 
     vocab_size: int = 256
@@ -88,6 +104,13 @@ class TargetConfig:
     # Needed by real checkpoints:
     o_bias: bool = False  # Llama/Qwen3 attention_bias also puts a bias on o_proj
     rope_scaling: dict | None = None  # None, {"rope_type": "linear"|"llama3", ...}
+    # Gemma 3 (see the class docstring):
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    output_norms: bool = False
+    attn_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -101,6 +124,12 @@ class TargetConfig:
                 raise ValueError(f"sliding_window {self.sliding_window} invalid: need {self.n_layers} entries, "
                                  f"each a positive int or None")
         check_rope_scaling(self.rope_scaling)
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not implemented (supported: {ACTIVATIONS})")
+        for name in ("logit_softcap", "attn_logit_softcap", "attn_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value!r}: need a positive number or None")
 
     @property
     def taps(self) -> tuple[int, int, int]:
@@ -110,6 +139,11 @@ class TargetConfig:
 
     def window(self, layer: int) -> int | None:
         return None if self.sliding_window is None else self.sliding_window[layer]
+
+    def local_rope(self, layer: int) -> bool:
+        """True when `layer` takes the local RoPE (rope_local_theta, default RoPE): it is windowed and
+        rope_local_theta is set, as Gemma 3's sliding layers are."""
+        return self.rope_local_theta is not None and self.window(layer) is not None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -1,16 +1,32 @@
-"""Load a local Hugging Face checkpoint (llama, mistral, qwen2, qwen3) into our Transformer.
+"""Load a local Hugging Face checkpoint (llama, mistral, qwen2, qwen3, gemma3_text, gemma3) into our Transformer.
 
 The directory holds config.json, one or several *.safetensors (sharded with model.safetensors.index.json
 or not) and usually tokenizer.json. Everything we do not implement is refused with the file and key named
-(unknown model_type, rope scaling other than default/linear/llama3, non-SiLU activations, MLP bias,
-attention logit soft-capping), as is any missing, unexpected or wrongly shaped tensor: a checkpoint
-either loads exactly or not at all. `hf_weight_names` is the one place HF names map to ours.
+(unknown model_type, rope scaling other than default/linear/llama3, activations other than silu and
+gelu_pytorch_tanh, MLP bias, attention logit soft-capping outside Gemma 3, bidirectional attention), as is
+any missing, unexpected or wrongly shaped tensor: a checkpoint either loads exactly or not at all.
+`hf_weight_names` is the one place HF names map to ours.
 
 Per model type (as transformers 4.57 builds them):
   llama  : attention_bias -> bias on q, k, v and o; no sliding window
   mistral: no biases; sliding_window on every layer (or layer_types)
   qwen2  : bias on q, k, v (never o); sliding window only if use_sliding_window, on layers >= max_window_layers
   qwen3  : as qwen2 for windows, attention_bias on q, k, v, o; RMSNorm on q and k per head (qk_norm)
+  gemma3_text (Gemma3ForCausalLM): keys missing from config.json take Gemma3TextConfig's defaults
+           (GEMMA3_TEXT_DEFAULTS: tie_word_embeddings true, head_dim 256, ...); every norm is Gemma's
+           (1 + weight, float32), four per layer (HF post_attention_layernorm and post_feedforward_layernorm
+           norm the sublayer outputs and become our attn_output_norm / mlp_output_norm; HF
+           pre_feedforward_layernorm is our post_attention_layernorm); QK-norm; GeGLU (hidden_activation);
+           embeddings times sqrt(hidden_size); attention scale query_pre_attn_scalar ** -0.5; attention_bias
+           on q, k, v and o; layer_types (default: every sliding_window_pattern-th layer full, the others
+           sliding) puts sliding_window on the sliding layers, which take RoPE base rope_local_base_freq with
+           default RoPE while full layers take rope_theta with rope_scaling; final_logit_softcapping soft-caps
+           the logits. attn_logit_softcapping is accepted and not applied: Gemma3Attention.forward does not
+           pass it to the attention function, so transformers' Gemma 3 never soft-caps attention scores.
+  gemma3 (Gemma3ForConditionalGeneration): its text_config is a gemma3_text config, loaded as above from the
+           language model's tensors (language_model.model.* and language_model.lm_head.weight as saved by
+           4.57, or model.language_model.* and lm_head.weight); the vision tower and the projector are
+           ignored. final_logit_softcapping is not applied: Gemma3ForConditionalGeneration.forward does not.
 """
 
 from __future__ import annotations
@@ -22,30 +38,70 @@ from pathlib import Path
 import torch
 
 from models.checkpoint import read_safetensors_dir
-from models.config import ROPE_SCALING_TYPES, TargetConfig
+from models.config import ACTIVATIONS, ROPE_SCALING_TYPES, TargetConfig
 from models.target import Transformer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# Keys some exporters leave in checkpoints that carry no weights we need (recomputed buffers).
-IGNORED_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+GEMMA = ("gemma3_text",)
+# Keys some exporters leave in checkpoints that carry no weights we need (recomputed buffers), after the
+# decoder's prefix.
+IGNORED_KEYS = r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq"
+# The non-text parts of a gemma3 (multimodal) checkpoint.
+IGNORED_MULTIMODAL_KEYS = r"(model\.)?(vision_tower|multi_modal_projector)\..*"
 DEFAULT_MAX_SEQ_LEN = 4096
+# transformers 4.57.6 Gemma3TextConfig.__init__ defaults (save_pretrained omits some of them from
+# config.json, and published multimodal checkpoints omit most of text_config): tests pin them to the class.
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1_000_000.0, attention_bias=False,
+    query_pre_attn_scalar=256, sliding_window=4096, layer_types=None, final_logit_softcapping=None,
+    attn_logit_softcapping=None, rope_scaling=None, rope_local_base_freq=10_000.0,
+    use_bidirectional_attention=False,
+)
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # Gemma3TextConfig: kwargs.get("sliding_window_pattern", 6)
+# Where the text model's tensors live: (prefix of the decoder's tensors, lm_head key).
+CAUSAL_LM_LAYOUT = ("model.", "lm_head.weight")
+GEMMA3_LAYOUTS = (("language_model.model.", "language_model.lm_head.weight"),  # as saved by transformers 4.57
+                  ("model.language_model.", "lm_head.weight"))  # the in-memory layout of 4.57 (and 5.x files)
+
+
+def text_config(d: dict) -> tuple[dict, str, str]:
+    """-> (the text model's config with its model type's defaults filled in, model_type, key prefix for messages).
+
+    A gemma3 (multimodal) config yields its text_config as model_type gemma3_text."""
+    mt = d.get("model_type")
+    if mt == "gemma3":
+        text = d.get("text_config") or {}
+        return {**GEMMA3_TEXT_DEFAULTS, **text}, "gemma3_text", "text_config."
+    if mt in GEMMA:
+        return {**GEMMA3_TEXT_DEFAULTS, **d}, mt, ""
+    return d, mt, ""
 
 
 def target_config_from_hf(d: dict, path, *, max_seq_len: int | None = None, tap_layers=None) -> TargetConfig:
     where = Path(path) / "config.json"
+    outer = d.get("model_type")
+    if outer not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type={outer!r}: unsupported model type "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    d, mt, prefix = text_config(d)
 
     def refuse(key, why):
-        raise ValueError(f"{where}: {key}={d.get(key)!r}: {why}")
+        raise ValueError(f"{where}: {prefix}{key}={d.get(key)!r}: {why}")
 
-    mt = d.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        refuse("model_type", f"unsupported model type (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if d.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "only silu (SwiGLU) is implemented")
+    if prefix and d.get("model_type", "gemma3_text") != "gemma3_text":
+        refuse("model_type", "the text model of a gemma3 checkpoint must be gemma3_text")
+    gemma = mt in GEMMA
+    act_key = "hidden_activation" if gemma else "hidden_act"
+    if d.get(act_key, "silu") not in ACTIVATIONS:
+        refuse(act_key, f"only {', '.join(ACTIVATIONS)} are implemented")
     if d.get("mlp_bias"):
         refuse("mlp_bias", "MLP biases are not implemented")
-    if d.get("attn_logit_softcapping") is not None:
-        refuse("attn_logit_softcapping", "attention logit soft-capping is not implemented")
+    if not gemma and d.get("attn_logit_softcapping") is not None:
+        refuse("attn_logit_softcapping", "attention logit soft-capping is not implemented for this model type")
+    if gemma and d.get("use_bidirectional_attention"):
+        refuse("use_bidirectional_attention", "bidirectional attention is not implemented")
     rs = d.get("rope_scaling")
     if rs is not None and rs.get("rope_type", rs.get("type")) not in ROPE_SCALING_TYPES:
         refuse("rope_scaling", f"rope scaling type {rs.get('rope_type', rs.get('type'))!r} is not implemented "
@@ -53,7 +109,16 @@ def target_config_from_hf(d: dict, path, *, max_seq_len: int | None = None, tap_
     L, H, heads = d["num_hidden_layers"], d["hidden_size"], d["num_attention_heads"]
     bias = bool(d.get("attention_bias", False))
     qkv_bias, o_bias = {"llama": (bias, bias), "mistral": (False, False), "qwen2": (True, False),
-                        "qwen3": (bias, bias)}[mt]
+                        "qwen3": (bias, bias), "gemma3_text": (bias, bias)}[mt]
+    # Gemma3ForConditionalGeneration applies no final soft-cap; Gemma3ForCausalLM (and the others) do.
+    logit_softcap = None if prefix else d.get("final_logit_softcapping")
+    extra = {}
+    if gemma:
+        extra = dict(hidden_act=d["hidden_activation"], norm_unit_offset=True, output_norms=True,
+                     attn_scale=d["query_pre_attn_scalar"] ** -0.5, rope_local_theta=float(d["rope_local_base_freq"]),
+                     embed_scale=H ** 0.5)
+    elif "hidden_act" in d:
+        extra = dict(hidden_act=d["hidden_act"])
     return TargetConfig(
         vocab_size=d["vocab_size"],
         hidden_size=H,
@@ -67,23 +132,30 @@ def target_config_from_hf(d: dict, path, *, max_seq_len: int | None = None, tap_
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        qk_norm=mt == "qwen3",
+        qk_norm=mt in ("qwen3", "gemma3_text"),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        logit_softcap=d.get("final_logit_softcapping"),
-        sliding_window=_sliding_windows(d, mt, L, where),
+        logit_softcap=logit_softcap,
+        sliding_window=_sliding_windows(d, mt, L, where, prefix),
         max_seq_len=max_seq_len or min(d.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN), DEFAULT_MAX_SEQ_LEN),
         tap_layers=tap_layers,
         rope_scaling=rs,
+        **extra,
     )
 
 
-def _sliding_windows(d: dict, mt: str, L: int, where) -> list | None:
+def _sliding_windows(d: dict, mt: str, L: int, where, prefix: str = "") -> list | None:
     window = d.get("sliding_window")
     if mt in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
         window = None
-    if window is None:
-        return None
     types = d.get("layer_types")
+    if types is None and mt in GEMMA:
+        pattern = d.get("sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
+    if window is None:
+        if mt in GEMMA and types is not None and "sliding_attention" in types:
+            raise ValueError(f"{where}: {prefix}sliding_window=None: layer_types has sliding_attention layers, "
+                             f"which need a window size")
+        return None
     if types is None:
         if mt in ("qwen2", "qwen3"):
             start = d.get("max_window_layers", L)
@@ -91,29 +163,54 @@ def _sliding_windows(d: dict, mt: str, L: int, where) -> list | None:
         else:
             types = ["sliding_attention"] * L
     if len(types) != L or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"{where}: layer_types={types!r}: need {L} entries of sliding_attention/full_attention")
+        raise ValueError(f"{where}: {prefix}layer_types={types!r}: need {L} entries of "
+                         f"sliding_attention/full_attention")
     windows = [window if t == "sliding_attention" else None for t in types]
     return None if all(w is None for w in windows) else windows
 
 
-def hf_weight_names(cfg: TargetConfig) -> dict[str, str]:
-    """HF checkpoint key -> our state_dict key, for every tensor the target needs."""
-    names = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
+def hf_weight_names(cfg: TargetConfig, layout: tuple[str, str] = CAUSAL_LM_LAYOUT) -> dict[str, str]:
+    """HF checkpoint key -> our state_dict key, for every tensor the target needs.
+
+    layout = (prefix of the decoder's tensors, lm_head key): CAUSAL_LM_LAYOUT, or one of GEMMA3_LAYOUTS for
+    the language model inside a multimodal gemma3 checkpoint. With cfg.output_norms (Gemma) HF's
+    post_attention_layernorm norms the attention output (ours: attn_output_norm), pre_feedforward_layernorm
+    is the pre-MLP norm (ours: post_attention_layernorm) and post_feedforward_layernorm norms the MLP output
+    (ours: mlp_output_norm)."""
+    prefix, lm_head = layout
+    names = {f"{prefix}embed_tokens.weight": "embed_tokens.weight", f"{prefix}norm.weight": "norm.weight"}
     if not cfg.tie_embeddings:
-        names["lm_head.weight"] = "lm_head.weight"
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-    per_layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+        names[lm_head] = "lm_head.weight"
+    per_layer = {n: n for n in ["input_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                "mlp.down_proj.weight"]}
+    if cfg.output_norms:
+        per_layer.update({"post_attention_layernorm.weight": "attn_output_norm.weight",
+                          "pre_feedforward_layernorm.weight": "post_attention_layernorm.weight",
+                          "post_feedforward_layernorm.weight": "mlp_output_norm.weight"})
+    else:
+        per_layer["post_attention_layernorm.weight"] = "post_attention_layernorm.weight"
+    per_layer.update({f"self_attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"})
     if cfg.qkv_bias:
-        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+        per_layer.update({f"self_attn.{p}_proj.bias": f"self_attn.{p}_proj.bias" for p in "qkv"})
     if cfg.o_bias:
-        per_layer.append("self_attn.o_proj.bias")
+        per_layer["self_attn.o_proj.bias"] = "self_attn.o_proj.bias"
     if cfg.qk_norm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        per_layer.update({f"self_attn.{n}_norm.weight": f"self_attn.{n}_norm.weight" for n in "qk"})
     for i in range(cfg.n_layers):
-        for n in per_layer:
-            names[f"model.layers.{i}.{n}"] = f"layers.{i}.{n}"
+        for hf, ours in per_layer.items():
+            names[f"{prefix}layers.{i}.{hf}"] = f"layers.{i}.{ours}"
     return names
+
+
+def _layout(model_type: str, tensors: dict, path) -> tuple[tuple[str, str], re.Pattern]:
+    """-> (layout for hf_weight_names, pattern of the tensors to skip) for this checkpoint's model type."""
+    if model_type != "gemma3":
+        return CAUSAL_LM_LAYOUT, re.compile(re.escape(CAUSAL_LM_LAYOUT[0]) + IGNORED_KEYS)
+    for layout in GEMMA3_LAYOUTS:
+        if f"{layout[0]}embed_tokens.weight" in tensors:
+            return layout, re.compile(f"{re.escape(layout[0])}{IGNORED_KEYS}|{IGNORED_MULTIMODAL_KEYS}")
+    raise ValueError(f"{path}: a gemma3 checkpoint needs "
+                     f"{' or '.join(repr(p + 'embed_tokens.weight') for p, _ in GEMMA3_LAYOUTS)}")
 
 
 def load_hf_target(path, *, max_seq_len: int | None = None, tap_layers=None,
@@ -127,22 +224,24 @@ def load_hf_target(path, *, max_seq_len: int | None = None, tap_layers=None,
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{cfg_file}: not found (is {path} a Hugging Face checkpoint directory?)")
-    cfg = target_config_from_hf(json.loads(cfg_file.read_text()), path, max_seq_len=max_seq_len,
-                                tap_layers=tap_layers)
+    hf_cfg = json.loads(cfg_file.read_text())
+    cfg = target_config_from_hf(hf_cfg, path, max_seq_len=max_seq_len, tap_layers=tap_layers)
     model = Transformer(cfg).to(dtype)
     tensors, origin = read_safetensors_dir(path)
-    names = hf_weight_names(cfg)
+    layout, skip = _layout(hf_cfg.get("model_type"), tensors, path)
+    lm_head, embed = layout[1], f"{layout[0]}embed_tokens.weight"
+    names = hf_weight_names(cfg, layout)
     ours = model.state_dict()
     for hf_key in names:
         if hf_key not in tensors:
             raise ValueError(f"{path}: missing tensor {hf_key!r} (files: {sorted(set(origin.values()))})")
     state = {}
     for hf_key, t in tensors.items():
-        if IGNORED_KEYS.fullmatch(hf_key):
+        if skip.fullmatch(hf_key):
             continue
-        if hf_key == "lm_head.weight" and cfg.tie_embeddings:
-            if not torch.equal(t, tensors["model.embed_tokens.weight"]):
-                raise ValueError(f"{path / origin[hf_key]}: 'lm_head.weight' differs from the embedding but "
+        if hf_key == lm_head and cfg.tie_embeddings:
+            if not torch.equal(t, tensors[embed]):
+                raise ValueError(f"{path / origin[hf_key]}: {lm_head!r} differs from the embedding but "
                                  f"config.json has tie_word_embeddings=true")
             continue
         if hf_key not in names:

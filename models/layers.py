@@ -1,4 +1,8 @@
-"""Building blocks shared by the target and the draft: RMSNorm, RoPE, attention with a static KV cache, SwiGLU.
+"""Building blocks shared by the target and the draft: RMSNorm, RoPE, attention with a static KV cache, the
+gated MLP (SwiGLU, or GeGLU with tanh-GELU for Gemma).
+
+Each Gemma difference is an option whose default is the Llama behaviour (the draft uses none of them):
+RMSNorm(unit_offset), Attention(scale, softcap, norm_unit_offset), MLP(act).
 
 Export notes (torch.export with a dynamic T, then ExecuTorch):
 - every projection is a plain `nn.Linear` so a quantiser/kernel helper can swap it by type;
@@ -18,20 +22,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.config import ACTIVATIONS
+
 
 class RMSNorm(nn.Module):
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale (weight applied in input dtype)."""
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale (weight applied in input dtype).
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    unit_offset=True is HF Gemma3RMSNorm: normalise in float32, scale by (1 + weight) in float32, then cast
+    back; its weight starts at zeros, so a fresh norm scales by 1 in both forms.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}" + (", unit_offset=True" if self.unit_offset else "")
 
 
 def rope_inv_freq(rot_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -95,7 +111,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with optional qkv/o bias, per-head QK-norm (Qwen3) and a static KV cache.
+    """Grouped-query attention with optional qkv/o bias, per-head QK-norm (Qwen3, Gemma 3) and a static KV cache.
+
+    `scale` multiplies q.k (None: head_dim ** -0.5); `softcap` soft-caps the scaled scores,
+    tanh(s / softcap) * softcap, before the mask (None: off); `norm_unit_offset` makes the QK-norms Gemma's.
 
     `forward(x, cos, sin, mask, input_pos)`:
       input_pos None -> stateless: keys are this call's keys (any batch), mask [T, T];
@@ -105,16 +124,18 @@ class Attention(nn.Module):
 
     def __init__(self, in_dim: int, out_dim: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  max_seq_len: int, *, qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False,
-                 eps: float = 1e-6):
+                 eps: float = 1e-6, scale: float | None = None, softcap: float | None = None,
+                 norm_unit_offset: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.softcap = softcap
         self.q_proj = nn.Linear(in_dim, n_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(in_dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(in_dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * head_dim, out_dim, bias=o_bias)
-        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, eps, norm_unit_offset) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, norm_unit_offset) if qk_norm else None
         self.setup_cache(1, max_seq_len)
 
     def setup_cache(self, batch_size: int, length: int) -> None:
@@ -136,15 +157,18 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T * scale, masked) v.  q [B,h,T,hd], k/v [B,kv,S,hd], mask bool [T,S] -> [B,h,T,hd].
+        """softmax(softcap(q k^T * scale), masked) v.  q [B,h,T,hd], k/v [B,kv,S,hd], mask bool [T,S] -> [B,h,T,hd].
 
-        The one place the attention math lives (a kernel may replace it). Softmax in float32 as HF eager.
+        The one place the attention math lives (a kernel may replace it). Soft-capping (when set) comes
+        before the mask and the softmax runs in float32, as in HF's eager attention.
         """
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         scores = scores.masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         return torch.matmul(p, v)
@@ -168,17 +192,39 @@ class Attention(nn.Module):
         self.v_cache.zero_()
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
-    def __init__(self, dim: int, hidden: int):
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation: HF's gelu_pytorch_tanh, F.gelu(x, approximate="tanh"), in float32 as torch's
+    kernel computes it, cast back to x's dtype.
+
+    Written out in elementwise ops because ExecuTorch's XNNPACK delegate lowers aten.gelu as the exact (erf)
+    GELU whatever its `approximate` argument (up to ~5e-4 apart): spelled out, the exported program and the
+    eager module compute the same function.
+    """
+    x32 = x.float()
+    y = 0.5 * x32 * (1.0 + torch.tanh(SQRT_2_OVER_PI * (x32 + 0.044715 * (x32 * x32 * x32))))
+    return y.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); act "silu" is SwiGLU, "gelu_pytorch_tanh" Gemma's GeGLU
+    (`gelu_tanh`, HF's GELUTanh)."""
+
+    def __init__(self, dim: int, hidden: int, act: str = "silu"):
         super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"MLP activation {act!r} is not implemented (supported: {ACTIVATIONS})")
+        self.act = act
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.silu(gate) if self.act == "silu" else gelu_tanh(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

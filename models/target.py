@@ -1,4 +1,5 @@
-"""The target: one Llama-family decoder used for training, taps, export and eager inference alike.
+"""The target: one decoder (the Llama family and Gemma 3, as TargetConfig options) used for training, taps,
+export and eager inference alike.
 
 Two paths through the same weights:
 - stateless (`input_pos=None`): any batch, positions 0..T-1, causal mask; the KV cache is untouched.
@@ -9,6 +10,10 @@ Two paths through the same weights:
   Overwriting earlier slots is allowed (a verify window after a partial acceptance overwrites the
   rejected slots); stale slots beyond the query positions are hidden by the mask.
 
+Per-layer choices are Python branches on the config only (never on tensor values), so the traced graph is
+static in every shape but T: each layer takes its window's mask (windows are masks over the whole static
+cache) and its RoPE tables (the local ones on windowed layers when `rope_local_theta` is set).
+
 Taps (HF convention): index 0 = embedding output (after embed_scale), index k = residual after layer k-1,
 before the final norm. They are the very tensors the layers produce, so they are bit-identical to the
 per-layer states and computing them does not change the logits.
@@ -17,6 +22,7 @@ per-layer states and computing them does not change the logits.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.config import TargetConfig
@@ -24,20 +30,41 @@ from models.layers import MLP, Attention, RMSNorm, Rope, attention_mask, is_trac
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer: h += attn(norm(h)); h += mlp(norm(h))."""
+    """Pre-norm decoder layer: h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h)).
+
+    `post_attention_layernorm` is always the norm of the residual before the MLP (the Llama name).
+    With cfg.output_norms each sublayer's output is also normed before it joins the residual:
+    h += attn_output_norm(attn(..)); h += mlp_output_norm(mlp(..)) (Gemma's sandwich; HF calls these
+    post_attention_layernorm and post_feedforward_layernorm, and our pre-MLP norm pre_feedforward_layernorm:
+    models/hf.py maps the names).
+    """
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+        H = cfg.hidden_size
+
+        def norm():
+            return RMSNorm(H, cfg.rms_norm_eps, cfg.norm_unit_offset)
+
+        self.input_layernorm = norm()
+        self.self_attn = Attention(H, H, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                    cfg.max_seq_len, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
-                                   qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+                                   qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps, scale=cfg.attn_scale,
+                                   softcap=cfg.attn_logit_softcap, norm_unit_offset=cfg.norm_unit_offset)
+        self.attn_output_norm = norm() if cfg.output_norms else None
+        self.post_attention_layernorm = norm()
+        self.mlp = MLP(H, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp_output_norm = norm() if cfg.output_norms else None
 
     def forward(self, h, cos, sin, mask, input_pos=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, input_pos)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), cos, sin, mask, input_pos)
+        if self.attn_output_norm is not None:
+            a = self.attn_output_norm(a)
+        h = h + a
+        m = self.mlp(self.post_attention_layernorm(h))
+        if self.mlp_output_norm is not None:
+            m = self.mlp_output_norm(m)
+        return h + m
 
 
 class Transformer(nn.Module):
@@ -46,12 +73,15 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.partial_rotary_factor,
                          cfg.rope_scaling)
+        # Gemma 3's sliding layers: their own base, default RoPE (HF Gemma3TextModel.rotary_emb_local).
+        self.rope_local = None if cfg.rope_local_theta is None else Rope(
+            cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta, cfg.partial_rotary_factor, None)
         self.register_buffer("key_pos", torch.arange(cfg.max_seq_len), persistent=False)
         self.windows = sorted({cfg.window(i) for i in range(cfg.n_layers)}, key=lambda w: (w is not None, w))
 
@@ -62,9 +92,13 @@ class Transformer(nn.Module):
         logits = self.head(h[:, -1:] if last_only else h)
         return (logits, tuple(tapped)) if taps else logits
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits from the last residual (pre-norm) [.., H]: final norm, lm_head, soft-cap."""
-        logits = self.lm_head(self.norm(h))
+    def head(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits from the last residual (pre-norm) [.., H]: final norm, lm_head, soft-cap.
+
+        `rows` (target ids) computes only those logits, in that order: the draft's labels need the draft
+        vocabulary only, and the rest of a 262,144-row lm_head would cost most of a training step."""
+        h = self.norm(h)
+        logits = self.lm_head(h) if rows is None else F.linear(h, self.lm_head.weight.index_select(0, rows))
         if self.cfg.logit_softcap is not None:
             cap = self.cfg.logit_softcap
             logits = torch.tanh(logits / cap) * cap
@@ -79,13 +113,17 @@ class Transformer(nn.Module):
         else:
             self._check_cached_call(tokens, input_pos)
             q_pos, k_pos = input_pos, self.key_pos
-        cos, sin = self.rope.tables(q_pos)
+        tables = {False: self.rope.tables(q_pos)}
+        if self.rope_local is not None:
+            tables[True] = self.rope_local.tables(q_pos)
         masks = {w: attention_mask(q_pos, k_pos, w) for w in self.windows}
         h = self.embed_tokens(tokens)
         if self.cfg.embed_scale != 1.0:
-            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
+            # float32 scalar cast to the activations' dtype, as HF's Gemma3TextScaledWordEmbedding
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(h.dtype)
         tapped = [h] if 0 in tap_layers else []
         for i, layer in enumerate(self.layers):
+            cos, sin = tables[self.cfg.local_rope(i)]
             h = layer(h, cos, sin, masks[self.cfg.window(i)], input_pos)
             if i + 1 in tap_layers:
                 tapped.append(h)

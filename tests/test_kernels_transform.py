@@ -85,3 +85,10 @@ def test_exports_with_dynamic_t(interpret, models):
     assert sum("rms_norm" in t for t in targets) == 2 * 2 + 1  # per layer: input, post-attention; final
     assert sum("eagle3.rope" in t for t in targets) == 2 * 2  # per layer: q, k
     assert sum("eagle3.swiglu" in t for t in targets) == 2
+
+
+@pytest.mark.parametrize("option", [{"norm_unit_offset": True}, {"hidden_act": "gelu_pytorch_tanh"},
+                                    {"attn_logit_softcap": 50.0}])
+def test_refuses_what_the_kernels_do_not_compute(option):
+    with pytest.raises(NotImplementedError, match=next(iter(option))):
+        to_kernels(Transformer(TargetConfig(**option)))

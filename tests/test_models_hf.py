@@ -28,6 +28,7 @@ CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, use_sliding_window=True,
                                                        sliding_window=8, max_window_layers=1)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, attention_bias=True)),
+    "llama_geglu": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_act="gelu_pytorch_tanh")),
 }
 
 
@@ -62,6 +63,7 @@ def test_logits_match_transformers(hf_pair):
         assert ours.cfg.tie_embeddings and ours.cfg.sliding_window == [None, 8]
     if name == "mistral":
         assert ours.cfg.sliding_window == [8, 8]
+    assert ours.cfg.hidden_act == ("gelu_pytorch_tanh" if name == "llama_geglu" else "silu")
     tokens = torch.randint(0, 256, (2, 24))
     ref = hf(tokens).logits
     got = ours(tokens)
@@ -129,6 +131,9 @@ CONFIG_REFUSALS = {
     "rope_scaling": (lambda d: d.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
                      r"config\.json: rope_scaling=.*'yarn' is not implemented"),
     "hidden_act": (lambda d: d.update(hidden_act="gelu"), r"config\.json: hidden_act='gelu': only silu"),
+    # a Llama-family config that sets it is refused; gemma3_text accepts it (models/hf.py)
+    "attn_logit_softcapping": (lambda d: d.update(attn_logit_softcapping=50.0),
+                               r"config\.json: attn_logit_softcapping=50\.0: attention logit soft-capping"),
     "mlp_bias": (lambda d: d.update(mlp_bias=True), r"config\.json: mlp_bias=True"),
 }
 

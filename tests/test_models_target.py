@@ -184,3 +184,13 @@ def test_a_truncated_weights_file_is_refused_naming_the_file(tmp_path):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ValueError, match=re.escape(f"{weights} is not a readable safetensors file")):
         load_target(tmp_path)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_head_rows_are_those_columns_of_the_full_head(softcap):
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    model = Transformer(TargetConfig(logit_softcap=softcap, tie_embeddings=True)).eval()
+    h = torch.randn(2, 5, model.cfg.hidden_size, generator=g)
+    rows = torch.randperm(model.cfg.vocab_size, generator=g)[:37]
+    with torch.no_grad():
+        torch.testing.assert_close(model.head(h, rows), model.head(h)[..., rows], rtol=1e-5, atol=1e-5)
