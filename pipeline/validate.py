@@ -76,6 +76,29 @@ class _Checker:
         return ok
 
 
+def _check_gguf_source(c: _Checker) -> None:
+    """target=gguf: exactly one of target.path and target.package; a path must be a file with a GGUF
+    header, a package must be known and installed (found without importing it). What only the whole
+    header tells (architecture, tokenizer, truncation) is the target stage's check."""
+    from models.gguf import PACKAGES, GGUFError, check_magic, check_package
+
+    path, package = c.get("target.path"), c.get("target.package")
+    path = None if path in (None, "???", "") else path
+    package = None if package in (None, "???", "") else package
+    if (path is None) == (package is None):
+        c.problems.append(f"target.path={path!r}, target.package={package!r}: set exactly one of them "
+                          f"(target.path=FILE.gguf, or target.package=NAME of an installed GGUF package: "
+                          f"{', '.join(PACKAGES)})")
+        return
+    try:
+        if path is not None:
+            check_magic(path)
+        else:
+            check_package(package)
+    except GGUFError as e:
+        c.problems.append(str(e) if package is not None else f"target.path={path!r}: {e}")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ConfigError listing every out-of-range value of the composed config; return None when all fit."""
     c = _Checker(cfg)
@@ -83,9 +106,12 @@ def check_config(cfg: DictConfig) -> None:
     c.int_in("threads", 1, nullable=True)
     c.int_in("seed", 0)
 
-    c.choice("target.kind", ("tiny", "hf"))
+    c.choice("target.kind", ("tiny", "hf", "gguf"))
     if c.get("target.kind") == "hf":
         c.existing("target.path", directory=True)
+        c.int_in("target.max_seq_len", 2, nullable=True)
+    elif c.get("target.kind") == "gguf":
+        _check_gguf_source(c)
         c.int_in("target.max_seq_len", 2, nullable=True)
     else:
         c.int_in("target.max_seq_len", 2)
@@ -93,6 +119,8 @@ def check_config(cfg: DictConfig) -> None:
     c.choice("data.kind", ("stdlib", "text"))
     c.number_in("data.held_out_fraction", 0.0, 1.0)
     c.int_in("data.max_bytes", 1, nullable=True)
+    if c.get("data.prompt_format") is not None:
+        c.choice("data.prompt_format", ("plain", "chat"))
 
     c.choice("taps.source", ("generate", "corpus"))
     for key in ("seq_len", "train_sequences", "held_out_sequences", "shard_sequences", "batch_size"):

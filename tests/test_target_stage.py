@@ -1,4 +1,5 @@
-"""The target stage: the smoke target trains quickly, resumes exactly, and target=hf converts or refuses."""
+"""The target stage: the smoke target trains quickly, resumes exactly, and target=hf converts (with its chat
+template) or refuses. target=gguf: tests/test_gguf.py."""
 
 from __future__ import annotations
 
@@ -103,6 +104,22 @@ def test_hf_target_is_converted_to_our_format(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(tokens), source.eval()(tokens))
     assert (art.path / "tokenizer.json").read_bytes() == (tmp_path / "tok.json").read_bytes()
+    assert not (art.path / "chat_template.jinja").exists() and art.report["chat_template"] is False
+
+
+def test_hf_target_keeps_the_chat_template(tmp_path):
+    """tokenizer_config.json's chat_template becomes the artifact's chat_template.jinja (models.gguf)."""
+    from models.gguf import load_chat_template
+    from pipeline import data
+
+    tok = data.train_tokenizer(["def f(x):\n    return x * 2\n" * 50], vocab_size=300)
+    tok.save(str(tmp_path / "tok.json"))
+    write_hf_checkpoint(tmp_path / "hf", tmp_path / "tok.json")
+    template = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>"
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    art = run_target(tmp_path, "target=hf", f"target.path={tmp_path / 'hf'}")
+    assert load_chat_template(art.path) == template and art.report["chat_template"] is True
+    assert "chat_template.jinja" in art.manifest["files"]
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "malformed"])

