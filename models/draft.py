@@ -64,7 +64,7 @@ class Eagle3Draft(nn.Module):
         self.cfg = cfg
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)  # a frozen copy of the target's
+        self.embed_tokens.weight.requires_grad_(False)  # a frozen copy of the target's (models.Speculator shares it)
         self.layers = nn.ModuleList([Eagle3Layer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)

@@ -6,6 +6,12 @@ values and no branch on T, so `torch.export` with a dynamic T and ExecuTorch low
 the eager engine runs. The feature handed to the draft is fc(taps), computed here, inside the target
 methods, so the .pte never ships the 3*H-wide taps across the method boundary.
 
+One token-embedding table: the draft's `embed_tokens` is a frozen copy of the target's (EAGLE-3), so
+when the two are equal the Speculator points the draft at the target's Parameter. The eager engine then
+holds the table once (262,144 x 640 fp32 is 671 MB for Gemma 3 270M), and every exported method reads
+one tensor, which the .pte stores once (pipeline/export_pte.py). A draft with its own table (another
+width, or other values) keeps it.
+
 Exporters: wrap one method per module (all wrapping this same instance so the mutable buffers share
 names), and set `draft.check_gaps = False` if they trace in a mode where `is_tracing()` is not detected.
 """
@@ -19,12 +25,29 @@ from models.draft import Eagle3Draft
 from models.target import Transformer
 
 
+def share_embedding(target: Transformer, draft: Eagle3Draft) -> bool:
+    """Make `draft.embed_tokens` read the target's Parameter when the tables are equal; -> whether it does.
+
+    Equal means same shape, dtype, device and values, so no output of the draft changes; a draft trained
+    with a table of its own keeps it.
+    """
+    mine, theirs = draft.embed_tokens.weight, target.embed_tokens.weight
+    if mine is theirs:
+        return True
+    if (mine.shape != theirs.shape or mine.dtype != theirs.dtype or mine.device != theirs.device
+            or not torch.equal(mine, theirs)):
+        return False
+    draft.embed_tokens.weight = theirs
+    return True
+
+
 class Speculator(nn.Module):
     def __init__(self, target: Transformer, draft: Eagle3Draft):
         super().__init__()
         from models.checkpoint import validate_draft
 
         validate_draft(draft, target.cfg)
+        share_embedding(target, draft)
         self.target = target
         self.draft = draft
 

@@ -3,8 +3,10 @@
 Each backend is exported ONCE per session: portable is conftest's `tiny_pte` (export_pte on a 2-layer
 target, shared with the runner tests), xnnpack runs the export stage itself on a tiny target (2 layers,
 hidden 64, vocab 256, max_seq_len 64) and a draft over a 128-token draft vocab with a real d2t, saved as
-target/draft artifacts. Every test runs the real executorch.runtime against an eager Speculator with the
-same weights. int4 lowering takes over a minute even for this model; EXPORT_TEST_INT4=0 skips it.
+target/draft artifacts; that target ties its lm_head to its embedding, as the default target does, so the
+xnnpack programs are where a second copy of the table would appear. Every test runs the real
+executorch.runtime against an eager Speculator with the same weights. int4 lowering takes over a minute
+even for this model; EXPORT_TEST_INT4=0 skips it.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def save_pair(root, target, draft, name="pair", target_key="t" * 64, draft_upstr
 
 @pytest.fixture(scope="session")
 def pair(tmp_path_factory):
-    target = make_target()
+    target = make_target(tie_embeddings=True)  # as the default target: lm_head.weight is embed_tokens.weight
+    bound = target.cfg.hidden_size ** -0.5  # nn.Linear's init, an untied lm_head's: int4's tolerance is set for it
+    torch.nn.init.uniform_(target.embed_tokens.weight, -bound, bound)
     return save_pair(tmp_path_factory.mktemp("artifacts"), target, make_draft(target))
 
 
@@ -210,6 +214,88 @@ def test_constant_methods_read_back(exported):
     assert set(x.report["ops_outside_delegate"]) == set(export_lib.METHODS)
     if x.backend == "xnnpack":
         assert all(x.report["delegate_calls"][m] > 0 for m in export_lib.METHODS)
+
+
+# --- the embedding table is stored once --------------------------------------------------------------
+def test_the_program_stores_the_embedding_table_once(exported):
+    """The table's bytes occur once in the file, whichever backend and quantisation.
+
+    xnnpack/none: the lookup (outside the delegate) and the tied lm_head (an XNNPACK linear) read the same
+    bytes, the lm_head's named-data entry a range of the constant segment, and the data segments hold no
+    more than the module's distinct tensors (a second copy in any layout would add the table's bytes).
+    int4: the lm_head's int4 weights differ from the fp32 table, which the constant segment holds once.
+    """
+    x = exported
+    spec = x.eager()
+    table = spec.target.embed_tokens.weight.detach().contiguous()
+    data = x.path.read_bytes()
+    assert data.count(table.numpy().tobytes()) == 1
+    assert spec.draft.embed_tokens.weight is spec.target.embed_tokens.weight
+    layout = export_lib.data_layout(data)
+    assert x.report["pte_bytes"] == len(data) and x.report["pte_shared_bytes"] == layout["named_data_shared"]
+    if x.backend == "xnnpack" and x.quant == "none":
+        assert spec.target.lm_head.weight is spec.target.embed_tokens.weight
+        assert layout["named_data_shared"] >= table.nbytes
+        seen, distinct = set(), 0  # the KV caches are planned memory, not stored data
+        for name, t in list(spec.named_parameters()) + list(spec.named_buffers()):
+            if not name.endswith("_cache") and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                distinct += t.nbytes
+        assert layout["constant"] + layout["named_data"] < distinct + table.nbytes // 2, (layout, distinct)
+
+
+def test_share_constant_bytes_keeps_a_delegated_lm_head_and_one_table(tmp_path):
+    """A head-only program (lookup, norm, tied lm_head) where the table is nearly the whole file: after
+    share_constant_bytes the file holds it once, the lm_head is still an XNNPACK delegate, outputs are
+    unchanged, and a second pass finds nothing left to share."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    V, H = 4096, 64
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(V, H)
+            self.lm_head = torch.nn.Linear(H, V, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+        def forward(self, tokens):
+            h = self.embed(tokens)
+            return self.lm_head(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    torch.manual_seed(0)
+    head = Head().eval()
+    tokens = torch.tensor([[3, V - 1]])
+    with torch.no_grad():
+        ep = torch.export.export(head, (tokens,), strict=False)
+        want = head(tokens)
+    lowered = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+    delegates, outside = export_lib.graph_ops(lowered.exported_program())
+    assert delegates >= 1 and not any("linear" in op or "mm" in op for op in outside), outside
+    before = lowered.to_executorch().buffer
+    table = head.embed.weight.detach().numpy().tobytes()
+    assert before.count(table) == 2  # the lookup's constant and the delegate's named data
+    after, shared = export_lib.share_constant_bytes(before)
+    assert after.count(table) == 1 and [n for _, n in shared] == [len(table)]
+    assert len(after) < len(table) * 1.5 < len(before)
+    assert export_lib.share_constant_bytes(after) == (after, [])
+    (tmp_path / "before.pte").write_bytes(before)
+    (tmp_path / "after.pte").write_bytes(after)
+    (got,) = call(program(tmp_path / "after.pte"), "forward", tokens)
+    assert torch.equal(got, call(program(tmp_path / "before.pte"), "forward", tokens)[0])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_draft_reads_the_targets_embedding_when_equal():
+    target = make_target()
+    spec = Speculator(target, make_draft(target))
+    assert spec.draft.embed_tokens.weight is target.embed_tokens.weight
+    other = make_draft(target)
+    with torch.no_grad():
+        other.embed_tokens.weight.add_(1.0)  # a draft with a table of its own keeps it
+    spec = Speculator(target, other)
+    assert spec.draft.embed_tokens.weight is not target.embed_tokens.weight
 
 
 # --- refusals before any lowering ----------------------------------------------------------------------
