@@ -86,15 +86,14 @@ def token_counts(top1: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> tor
 
 # --- labels from the target -------------------------------------------------------------------------------
 @torch.no_grad()
-def labels(head: Callable[[torch.Tensor], torch.Tensor], batch: Batch, t2d: torch.Tensor, used: torch.Tensor | None):
+def labels(head: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], batch: Batch, t2d: torch.Tensor, used: torch.Tensor | None):
     """(probs [B,T-1,Vd], top1 [B,T-1], valid [B,T-1], in_vocab [B,T-1]) for positions 1..T-1.
 
-    probs: the target's softmax restricted to the draft vocab (`used`, None = all) and renormalised.
+    probs: the target's softmax restricted to the draft vocab (`used`, None = all) and renormalised;
+    `head(final, used)` computes only those logits (Transformer.head's `rows`).
     valid: mask (the slot counts for acceptance); in_vocab: valid and the target's argmax is a draft token.
     """
-    logits = head(batch["final"][:, 1:].float()).float()
-    if used is not None:
-        logits = logits.index_select(-1, used)
+    logits = head(batch["final"][:, 1:].float(), used).float()
     top1 = batch["top1"][:, 1:]
     valid = batch["mask"][:, 1:].bool()
     return torch.softmax(logits, dim=-1), top1, valid, valid & t2d[top1]

@@ -5,13 +5,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# End-of-text tokens of our tokenizer (<|eos|>) and common HF ones, in the order they are looked for.
-EOS_TOKENS = ("<|eos|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>", "<|end_of_text|>")
+# End-of-text tokens of our tokenizer (<|eos|>) and common HF ones, in the order they are looked for; the
+# end-of-turn tokens of chat templates (<|im_end|>, <end_of_turn>, <|eot_id|>) end a generation as well.
+EOS_TOKENS = ("<|eos|>", "<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
 
 
 def eos_id(tokenizer) -> int | None:
-    """The id of the first of EOS_TOKENS the tokenizer has, or None."""
+    """The id of the first of EOS_TOKENS the tokenizer has, or None: what ends a document of the corpus."""
     return next((i for i in map(tokenizer.token_to_id, EOS_TOKENS) if i is not None), None)
+
+
+def end_ids(tokenizer) -> list[int]:
+    """Every token of EOS_TOKENS and END_OF_TURN_TOKENS the tokenizer has: each one ends a generation, so a
+    chat model's answer stops at its end-of-turn token and a base model's text at its end-of-text token."""
+    ids = (tokenizer.token_to_id(t) for t in EOS_TOKENS + END_OF_TURN_TOKENS)
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 def read_prompt_file(path: str | Path) -> list[str]:
@@ -42,9 +51,8 @@ def read_prompt_file(path: str | Path) -> list[str]:
 
 
 def stop_ids(tokenizer, extra=()) -> list[int]:
-    """The tokenizer's end-of-text token plus `extra` stop tokens (token strings, or ids as ints/digits)."""
-    eos = eos_id(tokenizer)
-    ids = [] if eos is None else [eos]
+    """The tokenizer's end tokens (`end_ids`) plus `extra` stop tokens (token strings, or ids as ints/digits)."""
+    ids = end_ids(tokenizer)
     for s in extra or ():
         tid = int(s) if str(s).isdigit() else tokenizer.token_to_id(str(s))
         if tid is None:

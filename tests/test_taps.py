@@ -30,13 +30,15 @@ def test_batched_generation_equals_the_targets_own_greedy_and_taps():
     assert target.layers[0].self_attn.k_cache.shape[0] == 1  # the batch-1 cache of the exported methods is back
 
 
-def test_generation_mask_counts_the_continuation_until_eos():
-    ids = torch.tensor([[5, 1, 5, 5, 5, 1, 5, 5], [5, 5, 5, 5, 5, 5, 5, 5]])
-    mask = taps.generation_mask(ids, prompt_len=3, eos=1, mask_prompt=True)
-    # position 2 predicts the first generated token; the generated EOS at 5 ends it (the prompt's EOS does not)
+def test_generation_mask_counts_the_continuation_until_an_end_token():
+    ids = torch.tensor([[5, 1, 5, 5, 5, 1, 5, 5], [5, 5, 5, 5, 5, 5, 5, 5], [5, 5, 5, 5, 2, 1, 5, 5]])
+    mask = taps.generation_mask(ids, prompt_len=3, ends=[1, 2], mask_prompt=True)
+    # position 2 predicts the first generated token; a generated end token (EOS 1 or end-of-turn 2) ends it,
+    # the prompt's does not
     assert mask.tolist() == [[False, False, True, True, True, False, False, False],
-                             [False, False, True, True, True, True, True, True]]
-    assert taps.generation_mask(ids, 3, None, False).all()
+                             [False, False, True, True, True, True, True, True],
+                             [False, False, True, True, False, False, False, False]]
+    assert taps.generation_mask(ids, 3, [], False).all()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from (upstream keys, and `target_key` in the report, which the export stage chec
   draft_vocab_size makes the draft vocab the whole vocab (d2t = 0). Coverage is reported.
 - one decoder layer of the target's width (heads, head_dim, RoPE from the target; intermediate size from
   the target unless `draft.intermediate_size`); embed_tokens is a frozen copy of the target's; with
-  `init_from_target` lm_head and the final norm start as the target's rows for the draft vocab.
+  `init_from_target` lm_head and the final norm start as the target's (its rows for the draft vocab;
+  the norm's effective scale).
 - training-time test with `train.ttt_steps` unrolled steps, loss weights decay^i, soft cross-entropy
   against the target restricted to the draft vocab, AdamW + warmup/cosine, gradient clipping; per-step
   metrics (loss, loss_i, acc_i, lr) and per-epoch held-out metrics go to MLflow; a checkpoint in the
@@ -134,7 +135,8 @@ def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.Trai
         draft.set_vocab_map(vm.used)
         if dc.get("init_from_target", False):
             draft.lm_head.weight.copy_(target.lm_head.weight[vm.used])
-            draft.norm.weight.copy_(target.norm.weight)
+            # the draft's norm scales by w; a (1 + w) target norm (Gemma) hands over its effective scale
+            draft.norm.weight.copy_(target.norm.weight + 1 if target.norm.unit_offset else target.norm.weight)
     draft = draft.to(device)
     used = None if vm.size == V else vm.used.to(device)
 

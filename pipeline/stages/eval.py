@@ -6,9 +6,10 @@ At temperature 0 the two token sequences must be identical (`lossless`); a misma
 first differing position, unless `runtime.allow_mismatch=true`, which records it. At temperature > 0 the
 runs are rejection-sampled and equal only in distribution, so `lossless` is null.
 
-Prompts: `runtime.prompts` (one per line, or .jsonl with "prompt"/"text"), or `runtime.n_prompts` windows of
-`runtime.prompt_len` tokens cut from the held-out split of `data` at seeded random offsets (never crossing a
-document boundary), so they were never trained on.
+Prompts: `runtime.prompts` (one per line, or .jsonl with "prompt"/"text"), or `runtime.n_prompts` prompts of
+`runtime.prompt_len` tokens from the held-out split of `data`, so they were never trained on: windows at
+seeded random offsets (never crossing a document boundary), or with `data.prompt_format=chat` requests built
+from its docstrings in the target's chat template (pipeline.prompts, as the taps stage builds them).
 
 Writes into the Hydra job directory:
     metrics.json        the names below, also the MLflow metrics of this job (pte_sha256 as a tag)
@@ -32,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from pipeline import data, tracking
-from pipeline.artifacts import PTE, pte_path
+from pipeline.artifacts import PTE, load_chat_template, pte_path
+from pipeline.prompts import chat_prompts
 from runner.engine import EagerEngine, PteEngine
 from runner.generate import GenerationResult, generate, resolve_chain
 from runner.text import eos_id, read_prompt_file, stop_ids
@@ -148,7 +150,12 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         prompts = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
     else:
         data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
-        prompts = held_out_prompts(data_cfg, tokenizer, int(rt.n_prompts), int(rt.prompt_len), int(rt.seed))
+        if data_cfg.get("prompt_format", "plain") == "chat":
+            held_out = data.split(data.documents(data_cfg), "held_out")
+            prompts = chat_prompts(held_out, tokenizer, load_chat_template(upstream["target"].path),
+                                   int(rt.n_prompts), int(rt.prompt_len), int(rt.seed)).tolist()
+        else:
+            prompts = held_out_prompts(data_cfg, tokenizer, int(rt.n_prompts), int(rt.prompt_len), int(rt.seed))
         texts = [tokenizer.decode(p) for p in prompts]
     if not prompts:
         raise ValueError("no prompts to evaluate")

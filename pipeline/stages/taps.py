@@ -2,7 +2,7 @@
 
 Artifact (read with `pipeline.artifacts.load_taps(artifact.path, split)`):
     taps.json                     layout: source, per-split sequence and prompt lengths, tap_layers,
-                                  hidden/vocab size, dtype, eos id, shard files per split
+                                  hidden/vocab size, dtype, end token ids, shard files per split
     train-00000.safetensors ...   shards of `taps.shard_sequences` sequences of the train split
     held_out-00000.safetensors    the same for the held-out split (never trained on; draft eval reads it)
 Each shard holds, for n sequences of T tokens (taps.seq_len; held-out: taps.held_out_seq_len):
@@ -14,11 +14,12 @@ Each shard holds, for n sequences of T tokens (taps.seq_len; held-out: taps.held
     mask   bool[n,T]       positions whose next-token prediction counts in the loss and in acceptance
 
 `taps.source`:
-- `generate` (default): prompts of `prompt_len` corpus tokens, continued greedily by the target to T tokens
-  in batches with a KV cache; the taps are the states the target computes while it generates. This is
-  on-policy data: the draft learns on the text the target actually produces, which is what the eval
-  measures (greedy continuations of held-out prompts). mask = the continuation (positions >= prompt_len-1)
-  up to a generated EOS, or every position with `mask_prompt: false`.
+- `generate` (default): prompts of `prompt_len` tokens (pipeline.prompts, in `data.prompt_format`: corpus
+  text for a base model, chat-templated requests for an instruct model), continued greedily by the target
+  to T tokens in batches with a KV cache; the taps are the states the target computes while it generates.
+  This is on-policy data: the draft learns on the text the target actually produces, which is what the eval
+  measures (greedy continuations of held-out prompts built the same way). mask = the continuation
+  (positions >= prompt_len-1) up to a generated end token, or every position with `mask_prompt: false`.
 - `corpus`: windows of T corpus tokens, tapped with one stateless forward per batch; mask = everything.
 The held-out split may have its own lengths (`held_out_seq_len`, `held_out_prompt_len`) so that it mirrors
 the eval (runtime.prompt_len prompt tokens + runtime.max_new_tokens greedy ones), while the train split uses
@@ -45,10 +46,10 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline import data, tracking
-from pipeline.artifacts import TAPS_FIELDS, TAPS_INDEX, TAPS_SPLITS
+from pipeline import data, prompts, tracking
+from pipeline.artifacts import TAPS_FIELDS, TAPS_INDEX, TAPS_SPLITS, load_chat_template
 from pipeline.store import scratch_dir, sha256_file
-from runner.text import eos_id
+from runner.text import end_ids
 
 log = logging.getLogger(__name__)
 
@@ -95,45 +96,21 @@ def tap_sequences(target, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"ids": ids, "taps": torch.cat(tapped, dim=-1), "final": final, "top1": target.head(final).argmax(-1)}
 
 
-def generation_mask(ids: torch.Tensor, prompt_len: int, eos: int | None, mask_prompt: bool) -> torch.Tensor:
+def generation_mask(ids: torch.Tensor, prompt_len: int, ends: list[int], mask_prompt: bool) -> torch.Tensor:
     """bool [B,T]: positions whose prediction counts. With mask_prompt, only the continuation (the
-    prediction at prompt_len-1 is the first generated token); never past a generated EOS (the eval stops)."""
+    prediction at prompt_len-1 is the first generated token); never past a generated end token (`ends`:
+    runner.text.end_ids, where the eval stops)."""
     B, T = ids.shape
     mask = torch.ones(B, T, dtype=torch.bool, device=ids.device)
     if mask_prompt:
         mask[:, : prompt_len - 1] = False
-    if eos is not None:
-        gen_eos = (ids == eos) & (torch.arange(T, device=ids.device) >= prompt_len)
-        mask &= torch.cumsum(gen_eos.to(torch.int64), dim=1) == 0  # positions from the first generated EOS on
+    if ends:
+        gen_end = torch.isin(ids, torch.tensor(ends, device=ids.device)) & (torch.arange(T, device=ids.device) >= prompt_len)
+        mask &= torch.cumsum(gen_end.to(torch.int64), dim=1) == 0  # positions from the first generated end on
     return mask
 
 
 # --- sequences and shards -------------------------------------------------------------------------------
-def windows(texts: list[str], tokenizer, n: int, length: int, seed: int) -> torch.Tensor:
-    """n windows [n, length] of token ids from seeded random places of the texts, never crossing a document.
-
-    A document is drawn with probability proportional to its size, then a character snippet at a uniform
-    offset is tokenized on its own and its first token (possibly cut in half) dropped. Only n short snippets
-    are tokenized, not the whole split (which costs more than generating on a busy machine).
-    """
-    sizes = np.array([len(t) for t in texts], dtype=np.float64)
-    if not len(texts) or sizes.sum() == 0:
-        raise ValueError("taps: a split of the corpus is empty")
-    rng = np.random.default_rng(seed)
-    chars = 8 * length + 64  # code here is ~3.5 characters per token: a wide margin
-    out: list[list[int]] = []
-    for _ in range(20):
-        docs = rng.choice(len(texts), size=n - len(out), p=sizes / sizes.sum())
-        starts = [int(rng.integers(0, max(1, len(texts[d]) - chars))) for d in docs]
-        snippets = [texts[d][s : s + chars] for d, s in zip(docs, starts)]
-        for enc in tokenizer.encode_batch(snippets, add_special_tokens=False):
-            if len(enc.ids) > length:
-                out.append(enc.ids[1 : 1 + length])
-        if len(out) == n:
-            return torch.tensor(out, dtype=torch.int64)
-    raise ValueError(f"taps: could not cut {n} windows of {length} tokens from the corpus (documents too short?)")
-
-
 def split_lengths(tc) -> dict[str, tuple[int, int]]:
     """{split: (sequence length, prompt length)}; the held-out split may have its own (null = the train's)."""
     T, P = int(tc.seq_len), int(tc.prompt_len)
@@ -182,15 +159,20 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     if longest > target.cfg.max_seq_len:
         raise ValueError(f"taps: sequences of {longest} tokens exceed the target's max_seq_len={target.cfg.max_seq_len}")
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    eos = eos_id(tokenizer)
+    ends = end_ids(tokenizer)
 
     docs = data.documents(OmegaConf.to_container(cfg.data, resolve=True))
+    fmt = str(cfg.data.get("prompt_format", "plain"))
+    if fmt == "chat" and source != "generate":
+        raise ValueError("data.prompt_format=chat needs taps.source=generate (the target answers the requests)")
+    chat_template = load_chat_template(target_dir)
     counts = {"train": int(tc.train_sequences), "held_out": int(tc.held_out_sequences)}
     sequences = {}
     for k, split in enumerate(TAPS_SPLITS):
         T, P = lengths[split]
-        sequences[split] = windows(data.split(docs, split), tokenizer, counts[split],
-                                   P if source == "generate" else T, int(cfg.seed) * 1_000_003 + k)
+        sequences[split] = prompts.cut(data.split(docs, split), tokenizer, counts[split],
+                                       P if source == "generate" else T, int(cfg.seed) * 1_000_003 + k,
+                                       fmt, chat_template)
     log.info("taps: %s, %d train sequences of %d tokens, %d held-out of %d (%.1f s to read and cut)", source,
              counts["train"], lengths["train"][0], counts["held_out"], lengths["held_out"][0],
              time.perf_counter() - t0)
@@ -217,7 +199,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
                 for b in range(0, len(part), bs):
                     x = part[b : b + bs].to(device)
                     piece = generate_tapped(target, x, T) if source == "generate" else tap_sequences(target, x)
-                    piece["mask"] = (generation_mask(piece["ids"], P, eos, bool(tc.mask_prompt))
+                    piece["mask"] = (generation_mask(piece["ids"], P, ends, bool(tc.mask_prompt))
                                      if source == "generate" else torch.ones_like(piece["ids"], dtype=torch.bool))
                     pieces.append({k: v.cpu() for k, v in piece.items()})
                     bar.update(len(x))
@@ -241,7 +223,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         **{f"{split}_{what}": n for split, (T, P) in lengths.items()
            for what, n in (("seq_len", T), ("prompt_len", P if source == "generate" else 0))},
         "tap_layers": list(target.cfg.taps), "hidden_size": target.cfg.hidden_size,
-        "vocab_size": target.cfg.vocab_size, "dtype": str(tc.dtype), "eos_id": eos,
+        "vocab_size": target.cfg.vocab_size, "dtype": str(tc.dtype), "end_ids": ends,
         "mask_prompt": bool(tc.mask_prompt) if source == "generate" else False, "shards": shards,
     }
     (out / TAPS_INDEX).write_text(json.dumps(index, indent=2))

@@ -1,0 +1,136 @@
+"""Prompts of a fixed token length, cut from one split of the corpus: what the taps stage continues and the
+eval stage decodes, built the same way for both so that the draft trains on the distribution it is measured on.
+
+`data.prompt_format`:
+- `plain`: windows of corpus text (what a base model continues);
+- `chat`: requests built from the split's docstrings ("Write a Python function `name(args)`. <docstring>"),
+  wrapped in the target's chat template with a generation prompt, so an instruct model answers them. The
+  target's own greedy answer is then the draft's training text (the taps stage's `generate` source).
+
+Every prompt has exactly `length` tokens, because the taps stage decodes a batch of prompts over one set of
+cache positions. A chat prompt is the template's ids before the message, the request's first n ids and the
+template's ids after it, with n chosen to make the total `length`; the cut falls where the next request token
+starts a new word (a leading space or newline), so a request ends on a whole word. Requests shorter than n
+tokens, or without a word start at n, are skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+PROMPT_FORMATS = ("plain", "chat")
+_SLOT = "\x00REQUEST\x00"
+
+
+def cut(texts: Sequence[str], tokenizer, n: int, length: int, seed: int, prompt_format: str = "plain",
+        chat_template: str | None = None) -> torch.Tensor:
+    """n prompts [n, length] of `prompt_format` from the split `texts`; the same arguments give the same prompts."""
+    if prompt_format == "plain":
+        return plain_prompts(texts, tokenizer, n, length, seed)
+    if prompt_format == "chat":
+        return chat_prompts(texts, tokenizer, chat_template, n, length, seed)
+    raise ValueError(f"data.prompt_format={prompt_format!r}: expected one of {PROMPT_FORMATS}")
+
+
+def plain_prompts(texts: Sequence[str], tokenizer, n: int, length: int, seed: int) -> torch.Tensor:
+    """n windows [n, length] of token ids from seeded random places of the texts, never crossing a document.
+
+    A document is drawn with probability proportional to its size, then a character snippet at a uniform
+    offset is tokenized on its own and its first token (possibly cut in half) dropped. Only n short snippets
+    are tokenized, not the whole split (which costs more than generating on a busy machine).
+    """
+    sizes = np.array([len(t) for t in texts], dtype=np.float64)
+    if not len(texts) or sizes.sum() == 0:
+        raise ValueError("a split of the corpus is empty: no text to cut prompts from")
+    rng = np.random.default_rng(seed)
+    chars = 8 * length + 64  # code here is ~3.5 characters per token: a wide margin
+    out: list[list[int]] = []
+    for _ in range(20):
+        docs = rng.choice(len(texts), size=n - len(out), p=sizes / sizes.sum())
+        starts = [int(rng.integers(0, max(1, len(texts[d]) - chars))) for d in docs]
+        snippets = [texts[d][s : s + chars] for d, s in zip(docs, starts)]
+        for enc in tokenizer.encode_batch(snippets, add_special_tokens=False):
+            if len(enc.ids) > length:
+                out.append(enc.ids[1 : 1 + length])
+        if len(out) == n:
+            return torch.tensor(out, dtype=torch.int64)
+    raise ValueError(f"could not cut {n} windows of {length} tokens from the corpus (documents too short?)")
+
+
+def docstring_requests(source: str) -> list[str]:
+    """One request per documented function or class of a Python source (none when it does not parse)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    requests = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc or node.name.startswith("_"):
+            continue
+        doc = " ".join(doc.split())
+        if isinstance(node, ast.ClassDef):
+            requests.append(f"Write a Python class `{node.name}`. {doc}")
+        else:
+            args = ", ".join(a.arg for a in node.args.args)
+            requests.append(f"Write a Python function `{node.name}({args})`. {doc}")
+    return requests
+
+
+def render_chat(template: str, content: str, tokenizer) -> str:
+    """The template rendered around one user message, with the generation prompt (as transformers renders it)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    specials = {}
+    for name, text in (("bos_token", "<bos>"), ("bos_token", "<|bos|>"), ("bos_token", "<s>"),
+                       ("eos_token", "<eos>"), ("eos_token", "<|im_end|>"), ("eos_token", "</s>")):
+        if name not in specials and tokenizer.token_to_id(text) is not None:
+            specials[name] = text
+    rendered = render_jinja_template([[{"role": "user", "content": content}]], chat_template=template,
+                                     add_generation_prompt=True, **specials)
+    return rendered[0][0] if isinstance(rendered, tuple) else rendered[0]
+
+
+def chat_prompts(texts: Sequence[str], tokenizer, template: str, n: int, length: int, seed: int) -> torch.Tensor:
+    """n chat prompts [n, length] of docstring requests from `texts`, drawn in a seeded order."""
+    if not template:
+        raise ValueError("data.prompt_format=chat needs a target with a chat template (chat_template.jinja in "
+                         "its artifact); this target has none: use data.prompt_format=plain")
+    before, sep, after = render_chat(template, _SLOT, tokenizer).partition(_SLOT)
+    if not sep:
+        raise ValueError("the target's chat template does not place the user message in its output")
+    head = tokenizer.encode(before, add_special_tokens=False).ids
+    tail = tokenizer.encode(after, add_special_tokens=False).ids
+    room = length - len(head) - len(tail)
+    if room < 8:
+        raise ValueError(f"prompt length {length} leaves {room} tokens for the request after the chat template's "
+                         f"{len(head) + len(tail)}: raise the prompt length")
+    requests = [r for t in texts for r in docstring_requests(t)]
+    if not requests:
+        raise ValueError("data.prompt_format=chat: the split has no documented Python function or class "
+                         "to build requests from")
+    order = np.random.default_rng(seed).permutation(len(requests))
+    out = []
+    for start in range(0, len(order), 4 * n):
+        batch = [requests[i] for i in order[start : start + 4 * n]]
+        for enc in tokenizer.encode_batch(batch, add_special_tokens=False):
+            ids = enc.ids
+            if len(ids) > room and _starts_word(tokenizer, ids[room]):
+                out.append(head + ids[:room] + tail)
+                if len(out) == n:
+                    return torch.tensor(out, dtype=torch.int64)
+    raise ValueError(f"data.prompt_format=chat: only {len(out)} of {n} requests of the split are long enough for "
+                     f"prompts of {length} tokens; lower the prompt length or the number of prompts")
+
+
+def _starts_word(tokenizer, token_id: int) -> bool:
+    """True for a token that begins with a space or newline: byte-level BPE spells them Ġ and Ċ,
+    SentencePiece ▁ (a decoded single token may lose its leading space, its spelling does not)."""
+    piece = tokenizer.id_to_token(token_id) or ""
+    return piece[:1] in ("Ġ", "Ċ", "▁", " ", "\n", "\t")

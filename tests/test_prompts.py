@@ -1,0 +1,83 @@
+"""Prompts of a fixed length for the taps and eval stages: plain corpus windows and chat-templated requests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipeline import data, prompts
+from runner.text import end_ids
+
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _source(rng: random.Random, i: int) -> str:
+    words = ["return", "the", "value", "of", "each", "item", "in", "a", "list", "sorted", "by", "key", "path",
+             "file", "name", "number", "string", "when", "given", "otherwise"]
+    funcs = []
+    for j in range(4):
+        doc = " ".join(rng.choice(words) for _ in range(rng.randint(20, 40)))
+        funcs.append(f"def f{i}_{j}(x, y):\n    \"\"\"{doc.capitalize()}.\"\"\"\n    return x\n\n")
+    funcs.append(f"def _private{i}():\n    \"\"\"Never a request.\"\"\"\n")
+    return "".join(funcs)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    from tokenizers import AddedToken
+
+    rng = random.Random(random.randrange(1 << 30))
+    texts = [_source(rng, i) for i in range(30)]
+    tok = data.train_tokenizer(texts, vocab_size=400)
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>")])
+    return texts, tok
+
+
+def test_docstring_requests_name_public_functions_and_classes():
+    src = 'class Box:\n    """Hold one thing."""\n    def put(self, item):\n        """Put  it\n   in."""\n' \
+          'def _hidden():\n    """No."""\n'
+    assert prompts.docstring_requests(src) == ["Write a Python class `Box`. Hold one thing.",
+                                               "Write a Python function `put(self, item)`. Put it in."]
+    assert prompts.docstring_requests("this is not python (") == []
+
+
+def test_chat_prompts_have_the_length_the_template_and_a_whole_word_request(corpus):
+    texts, tok = corpus
+    n, length = 12, 64
+    out = prompts.cut(texts, tok, n, length, seed=3, prompt_format="chat", chat_template=CHATML)
+    assert out.shape == (n, length)
+    before, _, after = prompts.render_chat(CHATML, "\x00", tok).partition("\x00")
+    head = tok.encode(before, add_special_tokens=False).ids
+    tail = tok.encode(after, add_special_tokens=False).ids
+    requests = [r for t in texts for r in prompts.docstring_requests(t)]
+    for row in out.tolist():
+        assert row[:len(head)] == head and row[length - len(tail):] == tail
+        body = tok.decode(row[len(head):length - len(tail)])
+        assert body.startswith("Write a Python function `f") and any(r.startswith(body) for r in requests)
+        full = next(r for r in requests if r.startswith(body))
+        assert full[len(body)] == " "  # the cut ends on a whole word
+    assert len({tuple(r) for r in out.tolist()}) == n
+    assert prompts.cut(texts, tok, n, length, 3, "chat", CHATML).tolist() == out.tolist()
+    assert prompts.cut(texts, tok, n, length, 4, "chat", CHATML).tolist() != out.tolist()
+
+
+def test_chat_prompts_refuse_what_they_cannot_build(corpus):
+    texts, tok = corpus
+    with pytest.raises(ValueError, match="needs a target with a chat template"):
+        prompts.cut(texts, tok, 4, 64, 0, "chat", None)
+    with pytest.raises(ValueError, match="leaves .* tokens for the request"):
+        prompts.cut(texts, tok, 4, 10, 0, "chat", CHATML)
+    with pytest.raises(ValueError, match="only .* of 500 requests"):
+        prompts.cut(texts, tok, 500, 64, 0, "chat", CHATML)
+    with pytest.raises(ValueError, match="no documented Python function"):
+        prompts.cut(["just prose, no code at all " * 20], tok, 4, 64, 0, "chat", CHATML)
+    with pytest.raises(ValueError, match="prompt_format='markdown'"):
+        prompts.cut(texts, tok, 4, 64, 0, "markdown", CHATML)
+
+
+def test_end_ids_hold_end_of_text_and_end_of_turn(corpus):
+    _, tok = corpus
+    ids = end_ids(tok)
+    assert ids == [tok.token_to_id("<|eos|>"), tok.token_to_id("<|im_end|>")]
