@@ -4,8 +4,7 @@ A stage reads an upstream artifact only through this module or models/ (`models.
 target, `models.load_speculators` for the draft), never through another stage's module, so a stage's
 internals can change without breaking its consumers.
 
-- target: besides what `models.load_target` reads, CHAT_TEMPLATE where the source model has a chat
-  template (read with `load_chat_template`; chat prompts need it);
+- target: read with `models.load_target`, and its chat template (if any) with `models.gguf.load_chat_template`;
 - taps: `taps.json` (the layout: source, per-split sequence and prompt lengths, tap layers, hidden and
   vocab size, dtype, end token ids, shard files per split) and safetensors shards holding TAPS_FIELDS;
 - export: the program file PTE.
@@ -18,8 +17,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-
-from models.gguf import CHAT_TEMPLATE, load_chat_template  # noqa: F401  (written by the target stage)
 
 PTE = "model.pte"
 TAPS_INDEX = "taps.json"

@@ -33,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from pipeline import data, tracking
-from pipeline.artifacts import PTE, load_chat_template, pte_path
+from models.gguf import load_chat_template
+from pipeline.artifacts import PTE, pte_path
 from pipeline.prompts import chat_prompts
 from runner.engine import EagerEngine, PteEngine
 from runner.generate import GenerationResult, generate, resolve_chain

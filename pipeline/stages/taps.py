@@ -46,8 +46,9 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.gguf import load_chat_template
 from pipeline import data, prompts, tracking
-from pipeline.artifacts import TAPS_FIELDS, TAPS_INDEX, TAPS_SPLITS, load_chat_template
+from pipeline.artifacts import TAPS_FIELDS, TAPS_INDEX, TAPS_SPLITS
 from pipeline.store import scratch_dir, sha256_file
 from runner.text import end_ids
 
