@@ -94,6 +94,20 @@ def test_a_reduced_draft_vocab_gets_a_real_d2t(env):
     assert 0 < art.report["vocab_coverage"] <= 1
 
 
+def test_norm_before_residual_reaches_the_checkpoint_and_its_residual(env, trained):
+    """draft.norm_before_residual=true: the saved config says so, and the layer's residual is the normed
+    feature, so a feature scaled by 1000 gives the output of the unscaled one (it does not without)."""
+    cfg, store, target, upstream = env
+    art = run_draft(cfg, store, upstream, norm_before_residual=True)
+    normed, plain = load_speculators(art.path, target), load_speculators(trained[0].path, target)
+    assert normed.cfg.norm_before_residual and not plain.cfg.norm_before_residual
+    ids = torch.randint(0, V, (1, 6))
+    f = torch.randn(1, 6, target.cfg.hidden_size)
+    with torch.no_grad():
+        assert torch.allclose(normed(ids, f)[0], normed(ids, 1000 * f)[0], atol=1e-3, rtol=1e-3)
+        assert not torch.allclose(plain(ids, f)[0], plain(ids, 1000 * f)[0], atol=1e-3, rtol=1e-3)
+
+
 def test_load_validates_and_stores_a_checkpoint(env, trained):
     cfg, store, target, upstream = env
     art, _ = trained

@@ -125,7 +125,7 @@ def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.Trai
     vm = td.build_vocab_map(td.token_counts(train_taps["top1"], train_taps["mask"], V), int(dc.draft_vocab_size))
     log.info("draft vocab: %d of %d target ids, covering %.2f%% of the target's argmax tokens", vm.size, V,
              100 * vm.coverage)
-    overrides = {"draft_vocab_size": vm.size}
+    overrides = {"draft_vocab_size": vm.size, "norm_before_residual": bool(dc.get("norm_before_residual", False))}
     if dc.get("intermediate_size"):
         overrides["intermediate_size"] = int(dc.intermediate_size)
     torch.manual_seed(int(cfg.seed))
