@@ -37,6 +37,8 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group: int, max_m: int):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        # a width the asked-for group does not divide (SmolLM2's 576) takes the finer group 32
+        group = group if linear.in_features % group == 0 else 32
         self.group, self.max_m = group, check_max_m(max_m)
         packed, scale_zero = quantize_int4(linear.weight.detach(), group)
         self.register_buffer("packed", packed)

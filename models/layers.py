@@ -235,6 +235,11 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
     return mask
 
 
+def is_capturing() -> bool:
+    """True while a CUDA graph is being captured: a host read of a device value (a guard) must skip."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def is_tracing() -> bool:
     """True under torch.compile / torch.export (strict or not): data-dependent Python checks must skip."""
     compiler = torch.compiler

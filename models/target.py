@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import TargetConfig
-from models.layers import MLP, Attention, RMSNorm, Rope, attention_mask, is_tracing
+from models.layers import MLP, Attention, RMSNorm, Rope, attention_mask, is_capturing, is_tracing
 
 
 class Block(nn.Module):
@@ -134,7 +134,7 @@ class Transformer(nn.Module):
         if tokens.shape[0] != batch:
             raise ValueError(f"cached forward of batch {tokens.shape[0]}, but the KV cache is for batch {batch} "
                              f"(batch 1 unless setup_cache(batch_size) says otherwise)")
-        if is_tracing():
+        if is_tracing() or is_capturing():
             return
         if input_pos.numel() and int(input_pos.max()) >= length:
             raise ValueError(f"input_pos {int(input_pos.max())} is beyond the cache (length {length}, "

@@ -101,12 +101,13 @@ def plan_keys(cfg: DictConfig, mods: dict[str, ModuleType]) -> dict[str, str | N
         if not stages.content_addressed(mod):
             keys[name] = None
             continue
-        upstream = {u: keys[u] for u in mod.UPSTREAM}
+        upstream = {u: keys[u] for u in stages.upstream(mod, cfg)}
         keys[name] = cache_key(name, mod.SCHEMA_VERSION, key_inputs(cfg, mod), upstream)
     return keys
 
 
-def needed_stages(mods: dict[str, ModuleType], keys: dict[str, str | None], store: Store) -> set[str]:
+def needed_stages(cfg: DictConfig, mods: dict[str, ModuleType], keys: dict[str, str | None],
+                  store: Store) -> set[str]:
     """The stages this job must load or build: the last one, and, transitively, the upstream of every
     needed stage whose artifact is not in the store yet (the eval stage always runs, so it needs all its
     upstream). A cached draft, say, means the taps are never loaded."""
@@ -117,7 +118,7 @@ def needed_stages(mods: dict[str, ModuleType], keys: dict[str, str | None], stor
             return
         needed.add(name)
         if keys[name] is None or not store.exists(name, keys[name]):
-            for u in mods[name].UPSTREAM:
+            for u in stages.upstream(mods[name], cfg):
                 need(u)
 
     if mods:
@@ -158,7 +159,7 @@ class Job:
         try:
             with self.tracker.run(name, parent=parent, tags=tags, params=params) as self.run_id:
                 artifacts: dict[str, Artifact] = {}
-                needed = needed_stages(mods, keys, self.store)
+                needed = needed_stages(self.cfg, mods, keys, self.store)
                 for stage_name, mod in mods.items():
                     if stage_name in needed:
                         artifacts[stage_name] = self._run_stage(stage_name, mod, keys, artifacts, commit)
@@ -189,9 +190,9 @@ class Job:
     def _run_stage(self, name: str, mod: ModuleType, keys: dict, artifacts: dict, commit: str):
         key = keys[name]
         # Upstream artifacts are loaded only when this stage must be built (see needed_stages).
-        upstream = {u: artifacts[u] for u in mod.UPSTREAM if u in artifacts}
+        upstream = {u: artifacts[u] for u in stages.upstream(mod, self.cfg) if u in artifacts}
         subtrees = key_inputs(self.cfg, mod)
-        upstream_keys = {u: keys[u] for u in mod.UPSTREAM if keys[u] is not None}
+        upstream_keys = {u: keys[u] for u in stages.upstream(mod, self.cfg) if keys[u] is not None}
         stage_tags = {"stage": name, "key": key or "", "git_commit": commit,
                       **{f"upstream.{u}": k for u, k in upstream_keys.items()}}
 

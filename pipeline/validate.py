@@ -151,7 +151,12 @@ def check_config(cfg: DictConfig) -> None:
     if max_m is not None:
         c.int_in(f"{rt}.chain", 0, max_m - 1, nullable=True)  # 0 = the greedy baseline only
     c.choice(f"{rt}.policy", ("static", "adaptive"))
-    c.choice(f"{rt}.engine", ("pte", "eager"))
+    c.choice(f"{rt}.engine", ("pte", "eager", "cuda"))
+    if c.get(f"{rt}.engine") == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            c.fail(f"{rt}.engine", "cuda", "pte or eager on a machine where torch sees no CUDA device")
     c.number_in(f"{rt}.temperature", 0.0)
     c.int_in(f"{rt}.max_new_tokens", 1)
     c.int_in(f"{rt}.seed", 0)

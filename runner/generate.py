@@ -25,6 +25,10 @@ prompt goes through target_verify windows (T in [2, max_m]); K outside [1, max_m
 only where drafting cannot pay: near the token budget and the end of the cache. `policy="adaptive"`
 picks each round's K from the acceptance seen so far and the measured verify and draft costs.
 
+An engine with `device_rounds` (runner.cuda_engine) runs a greedy round at a static K itself: `speculate(k,
+anchor, P)` drafts, verifies, accepts and reseeds on its device and returns `new`, one synchronisation per
+round; the loop around it (budget, stop tokens, metrics) is this one.
+
 Not here: batching, tree drafts, a prefix cache shared across prompts.
 """
 
@@ -137,7 +141,7 @@ class Sampler:
         self.gen = torch.Generator().manual_seed(int(seed))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        z = logits.double() / self.temperature
+        z = logits.detach().to("cpu", torch.float64) / self.temperature  # draws happen on the host generator
         z = (z - z.amax(-1, keepdim=True)).exp()  # (torch.softmax is slower on tiny inputs here)
         return z / z.sum(-1, keepdim=True)
 
@@ -480,10 +484,14 @@ def generate(
     pre = prefill(engine, prompt, features=k_max > 0)
     anchor, P = sampler.next_token(pre.next_id, pre.logits), len(prompt)
     out.emit([anchor])
+    # an engine with device rounds runs a whole greedy round at a static K itself, with one synchronisation
+    on_device = getattr(engine, "device_rounds", False) and sampler.greedy and policy == "static"
     if k_max > 0 and not out.done:
         draft = Draft(engine, sampler)
         first = draft.seed(prompt[1:] + [anchor], pre.features, 0)
         chooser = AdaptiveChain(meta["max_m"] - 1, k_max) if policy == "adaptive" else StaticChain(k_max)
+        if on_device:
+            engine.begin_rounds(first[0], draft.g)
     result.prefill_ms = (time.perf_counter() - t0) * 1e3
 
     t_decode = time.perf_counter()
@@ -498,13 +506,16 @@ def generate(
         if k == 0:
             with verify_clock:
                 new = target_step(engine, sampler, anchor, P)
+        elif on_device:
+            with verify_clock:  # draft steps, verify and reseed in one call: all of it counts as verify
+                new = engine.speculate(k, anchor, P)
         else:
             new, fv = speculative_round(engine, draft, sampler, first, anchor, P, k, verify_clock, draft_clock)
         a = len(new) - 1
 
         n = out.emit(new)  # up to the first stop token, within the budget
         anchor, P = new[-1], P + a + 1
-        if k > 0 and not out.done:  # reseed the draft from verify's features (no rollback needed)
+        if k > 0 and not out.done and not on_device:  # reseed the draft from verify's features (no rollback)
             with draft_clock:
                 first = draft.seed(new, fv[0, : a + 1], P - a - 1)
             chooser.update(k, a, verify_clock.ms, draft_clock.ms)

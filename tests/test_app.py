@@ -9,7 +9,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from pipeline import stages
-from pipeline.app import CONF_DIR, plan_keys, stages_until
+from pipeline.app import CONF_DIR, needed_stages, plan_keys, stages_until
+from pipeline.store import Store
 from pipeline_fakes import SPECS, run_app, write_fake_stages
 
 
@@ -61,6 +62,15 @@ def test_upstream_changes_propagate_to_the_export_key():
     keys_a = plan_keys(compose_cfg(), stage_modules())
     keys_b = plan_keys(compose_cfg("export.max_m=4"), stage_modules())
     assert keys_a["target"] == keys_b["target"] and keys_a["draft"] == keys_b["draft"]
+
+
+def test_the_cuda_engine_needs_no_export_and_the_pte_engine_does(tmp_path):
+    mods = {name: stages.load(name) for name in stages.ORDER}
+    store = Store(tmp_path / "store")
+    for engine, export_needed in (("pte", True), ("eager", True), ("cuda", False)):
+        cfg = compose_cfg(f"runtime.engine={engine}")
+        needed = needed_stages(cfg, mods, plan_keys(cfg, mods), store)
+        assert needed >= {"target", "taps", "draft", "eval"} and ("export" in needed) == export_needed, engine
 
 
 def test_second_run_is_cached_and_report_says_where_things_are(tmp_path):

@@ -92,3 +92,14 @@ def test_exports_with_dynamic_t(interpret, models):
 def test_refuses_what_the_kernels_do_not_compute(option):
     with pytest.raises(NotImplementedError, match=next(iter(option))):
         to_kernels(Transformer(TargetConfig(**option)))
+
+
+def test_a_width_the_group_does_not_divide_takes_group_32():
+    """SmolLM2's hidden 576 is not a multiple of 128: its linears quantise in groups of 32, the others keep 128."""
+    torch.manual_seed(3)
+    for in_features, group in ((96, 32), (256, 128)):
+        lin = torch.nn.Linear(in_features, 64, bias=False)
+        m = Int4Linear(lin, group=128, max_m=MAX_M)
+        assert m.group == group
+        w = dequantize_int4(m.packed, m.scale_zero, m.group, torch.float32)
+        assert (w - lin.weight).norm() / lin.weight.norm() < 0.1  # 4-bit rounding, not a wrong layout

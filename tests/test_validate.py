@@ -32,7 +32,7 @@ def test_the_default_and_smoke_configs_pass():
     ("runtime.temperature=hot", "runtime.temperature='hot'"),
     ("runtime.n_prompts=0", "runtime.n_prompts=0"),
     ("runtime.policy=greedy", "runtime.policy='greedy': one of static, adaptive"),
-    ("runtime.engine=cuda", "runtime.engine='cuda': one of pte, eager"),
+    ("runtime.engine=gpu", "runtime.engine='gpu': one of pte, eager, cuda"),
     ("runtime.prompts=/no/such/prompts.txt", "runtime.prompts='/no/such/prompts.txt': an existing file"),
     ("export.max_m=1", "export.max_m=1: an int in [2, inf]"),
     ("export.max_m=17 export.max_prefill_chunk=32", "export.max_m=17: the small-M kernels take at most 16 rows"),
@@ -51,6 +51,15 @@ def test_each_bad_value_is_refused_naming_the_key_and_the_value(override, named)
     with pytest.raises(ConfigError) as e:
         check_config(cfg)
     assert named in str(e.value)
+
+
+def test_the_cuda_engine_without_a_cuda_device_is_refused_before_any_stage():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(ConfigError, match="runtime.engine='cuda': pte or eager on a machine where torch sees no CUDA"):
+        check_config(compose_cfg("runtime.engine=cuda"))
 
 
 def test_every_problem_is_listed_at_once():

@@ -5,8 +5,10 @@
     CONFIG_KEYS: tuple[str, ...]  top-level config subtrees that enter the cache key
     def run(cfg, upstream: dict[str, Artifact], out: Path) -> dict   (the report: JSON-able numbers/facts)
 
-and optionally `CONTENT_ADDRESSED = False` (the eval stage: runs every time, `out` is the Hydra job dir) and
-`key_extra(cfg) -> dict` (facts outside the config that must enter the key, e.g. an input dir fingerprint).
+and optionally `CONTENT_ADDRESSED = False` (the eval stage: runs every time, `out` is the Hydra job dir),
+`key_extra(cfg) -> dict` (facts outside the config that must enter the key, e.g. an input dir fingerprint) and
+`upstream_for(cfg) -> tuple` (the part of UPSTREAM this config reads: the eval stage on the CUDA engine
+reads no .pte, so the export stage is not run for it).
 """
 
 from __future__ import annotations
@@ -35,3 +37,12 @@ def load(name: str, package: str = PACKAGE) -> ModuleType:
 
 def content_addressed(mod: ModuleType) -> bool:
     return getattr(mod, "CONTENT_ADDRESSED", True)
+
+
+def upstream(mod: ModuleType, cfg) -> tuple[str, ...]:
+    """The stages whose artifacts this stage reads under `cfg`: `upstream_for(cfg)`, else UPSTREAM."""
+    chosen = tuple(mod.upstream_for(cfg)) if hasattr(mod, "upstream_for") else tuple(mod.UPSTREAM)
+    extra = [u for u in chosen if u not in mod.UPSTREAM]
+    if extra:
+        raise ValueError(f"stage module {mod.__name__}: upstream_for names {extra}, which UPSTREAM lacks")
+    return chosen

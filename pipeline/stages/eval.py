@@ -11,10 +11,14 @@ Prompts: `runtime.prompts` (one per line, or .jsonl with "prompt"/"text"), or `r
 seeded random offsets (never crossing a document boundary), or with `data.prompt_format=chat` requests built
 from its docstrings in the target's chat template (pipeline.prompts, as the taps stage builds them).
 
+Engines (`runtime.engine`): `pte` runs the .pte through executorch.runtime; `eager` runs the same modules in
+PyTorch with the .pte's windows; `cuda` runs them on a GPU with CUDA graphs (runner.cuda_engine) in the
+windows export.* fixes, reading the target and draft artifacts only (the export stage does not run for it).
+
 Writes into the Hydra job directory:
     metrics.json        the names below, also the MLflow metrics of this job (pte_sha256 as a tag)
     generations.jsonl   one line per prompt: prompt, prompt_ids, output_ids, text, tau, lossless, ...
-Metrics: chain, max_m, pte_sha256, tokens_per_s, baseline_tokens_per_s, speedup, tau (tokens emitted per
+Metrics: chain, max_m, pte_sha256 ("" on the CUDA engine), tokens_per_s, baseline_tokens_per_s, speedup, tau (tokens emitted per
 round, the prefill bonus excluded), acceptance_rate, acceptance_pos_<i> (i < K; 0 where no round
 reached i), verify_ms_per_round, draft_ms_per_round, prefill_ms (per prompt, target prefill + draft
 seeding), rounds, emitted_tokens, lossless, n_prompts. Throughputs are decode tokens (after the prefill
@@ -52,12 +56,40 @@ CONTENT_ADDRESSED = False
 # Inputs: the engine, the prompts, the stop tokens
 
 
+ENGINES = ("pte", "eager", "cuda")
+CUDA_GROUP = 128  # the INT4 group of the CUDA kernels (the Gluon GEMM's; kernels.transform falls back to 32)
+
+
+def check_engine(cfg: DictConfig) -> str:
+    engine = str(cfg.runtime.engine)
+    if engine not in ENGINES:
+        raise ValueError(f"runtime.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("runtime.engine=cuda needs a CUDA device, and torch sees none here; use "
+                             "runtime.engine=pte (the .pte on the CPU) or eager")
+    return engine
+
+
+def upstream_for(cfg: DictConfig) -> tuple[str, ...]:
+    """The CUDA engine runs the target and draft artifacts themselves, in the windows export.* fixes: no .pte."""
+    return ("target", "draft") if cfg.runtime.get("engine") == "cuda" else UPSTREAM
+
+
 def load_engine(cfg: DictConfig, upstream: dict):
+    engine = check_engine(cfg)
+    if engine == "cuda":
+        from pipeline.stages.export import load_pair, windows
+        from runner.cuda_engine import CudaEngine
+
+        speculator = load_pair(Path(upstream["target"].path), Path(upstream["draft"].path))
+        return CudaEngine(speculator, **windows(cfg.export), device=cfg.runtime.get("device") or "cuda",
+                          kernels=cfg.export.get("quant") == "int4", group=CUDA_GROUP)
     pte = PteEngine(pte_path(upstream["export"]), verified=True)  # Store.load re-hashed every file of the artifact
-    if cfg.runtime.engine == "pte":
+    if engine == "pte":
         return pte
-    if cfg.runtime.engine != "eager":
-        raise ValueError(f"runtime.engine must be 'pte' or 'eager', got {cfg.runtime.engine!r}")
     from models import Speculator, load_speculators, load_target
 
     target = load_target(upstream["target"].path)
@@ -135,16 +167,19 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     from tokenizers import Tokenizer
 
     rt = cfg.runtime
-    export = upstream["export"]
+    export = upstream.get("export")  # None on the CUDA engine, which reads no .pte
     tokenizer = Tokenizer.from_file(str(Path(upstream["target"].path) / "tokenizer.json"))
     engine = load_engine(cfg, upstream)
     meta = engine.meta
     chain = resolve_chain(meta, rt.chain)  # K out of [1, max_m-1] stops here, naming the range
-    expected = export.manifest.get("report", {}).get("manifest_hash")
-    if expected and meta["manifest_hash"] != expected:
-        raise ValueError(f"{pte_path(export)} reports manifest hash {meta['manifest_hash'][:16]}... but its "
-                         f"export artifact says {expected[:16]}...: the .pte does not belong to these artifacts")
-    pte_sha256 = export.manifest.get("files", {}).get(PTE) or hashlib.sha256(pte_path(export).read_bytes()).hexdigest()
+    pte_sha256 = ""
+    if export is not None:
+        expected = export.manifest.get("report", {}).get("manifest_hash")
+        if expected and meta["manifest_hash"] != expected:
+            raise ValueError(f"{pte_path(export)} reports manifest hash {meta['manifest_hash'][:16]}... but its "
+                             f"export artifact says {expected[:16]}...: the .pte does not belong to these artifacts")
+        pte_sha256 = (export.manifest.get("files", {}).get(PTE)
+                      or hashlib.sha256(pte_path(export).read_bytes()).hexdigest())
 
     if rt.prompts:
         texts = read_prompt_file(Path(rt.prompts))
@@ -169,8 +204,8 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     kwargs = dict(max_new_tokens=int(rt.max_new_tokens), stop_ids=stop_ids(tokenizer, rt.stop),
                   temperature=float(rt.temperature), seed=int(rt.seed))
     policy = str(rt.policy)
-    log.info("eval: %d prompts, K=%d (%s), max_m=%d, engine=%s, .pte %s", len(prompts), chain, policy,
-             meta["max_m"], rt.engine, pte_sha256[:12])
+    log.info("eval: %d prompts, K=%d (%s), max_m=%d, engine=%s%s", len(prompts), chain, policy,
+             meta["max_m"], rt.engine, f", .pte {pte_sha256[:12]}" if pte_sha256 else "")
 
     # warm-up (first calls allocate and initialise the delegates), not counted
     generate(engine, prompts[0], chain=0, **{**kwargs, "max_new_tokens": 8})
@@ -215,6 +250,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
              result["acceptance_rate"], result["lossless"])
     tracking.log_artifact(out / "generations.jsonl")
     tracking.log_artifact(out / "metrics.json")
-    tracking.set_tags({"pte_sha256": pte_sha256})
+    if pte_sha256:
+        tracking.set_tags({"pte_sha256": pte_sha256})
     # the report: the same names; lossless as 1/0 so it is an MLflow metric too
     return {**result, "lossless": None if result["lossless"] is None else int(result["lossless"])}

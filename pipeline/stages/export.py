@@ -40,14 +40,21 @@ UPSTREAM = ("target", "draft")
 CONFIG_KEYS = ("export",)
 
 
+def windows(ec: DictConfig) -> dict:
+    """The call windows export.* fixes: max_m, default_chain and the prefill chunk range. The .pte is lowered
+    for them, and the CUDA engine captures its graphs for the same ones."""
+    max_m = int(ec.max_m)
+    min_prefill = int(ec.min_prefill_chunk) if ec.get("min_prefill_chunk") is not None else max_m + 1
+    return dict(max_m=max_m, default_chain=int(ec.default_chain), max_prefill_chunk=int(ec.max_prefill_chunk),
+                min_prefill_chunk=min_prefill)
+
+
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     ec = cfg.export
     target_art, draft_art = upstream["target"], upstream["draft"]
-    max_m = int(ec.max_m)
-    min_prefill = int(ec.min_prefill_chunk) if ec.get("min_prefill_chunk") is not None else max_m + 1
-    args = dict(max_m=max_m, default_chain=int(ec.default_chain), max_prefill_chunk=int(ec.max_prefill_chunk),
-                min_prefill_chunk=min_prefill, backend=str(ec.backend), quant=str(ec.get("quant", "none")),
+    args = dict(windows(ec), backend=str(ec.backend), quant=str(ec.get("quant", "none")),
                 group_size=int(ec.get("group_size", 32)))
+    max_m = args["max_m"]
     target_config = json.loads((Path(target_art.path) / "config.json").read_text())
     check_export_args(max_seq_len=int(target_config["max_seq_len"]), **args)
 

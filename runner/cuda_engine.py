@@ -1,0 +1,237 @@
+"""`CudaEngine`: `models.Speculator` on one CUDA device, every call of the decode loop a CUDA-graph replay.
+
+It serves the engine interface of runner/engine.py unchanged, so runner/generate.py runs on it as on a .pte.
+
+At load the Speculator moves to the device (bfloat16, or float32 for exactness checks). With `kernels=True`
+the target and the draft go on the GPU kernels (kernels.transform: INT4 group `group` GEMMs, split-K SDPA,
+fused norms and RoPE), built for `max_m`, the same number that sizes the .pte's verify window, so the dispatch
+rule and the exported range cannot disagree. The draft's K-1 steps per round read its weights K-1 times, so
+it gains from INT4 as the target does.
+
+Then one graph is captured per call shape the loop makes: target_decode at T = 1, target_verify at every
+T in [2, max_m], draft_decode at every T in [1, max_m] (seeding after a round takes a+1 <= max_m rows).
+Any K in [1, max_m - 1] is then served without a recapture. A call copies its token ids and positions into
+the graph's static input buffer in one host-to-device copy, replays, and copies the ids back: the ids are
+what the loop decides on, so each call costs one host synchronisation. Features, g and logits stay on the
+device as views of the graph's output buffers (valid until that graph's next replay, which the loop never
+reaches before it has consumed them). Prefill runs eagerly: it happens once per prompt, at any length.
+
+Rounds: for greedy decoding at a static K the loop hands the engine whole rounds (`speculate`), one graph per
+K in [1, max_m - 1]: K-1 draft steps from the proposal and g the last round left on the device, target_verify
+of [anchor] + proposals, the accepted length a as the leading run of matches, and the draft reseeded with all
+K+1 verified rows, of which row a gives the next round's first proposal. The graph ends by copying a and the
+verified ids to pinned host memory, so a round costs one launch and one synchronisation. Reseeding K+1 rows
+instead of a+1 is what keeps the graph static: the rows past a sit at draft positions the next round's chain
+overwrites before its causal mask could show them. Sampling and the adaptive policy use the per-call path.
+
+The draft's cache-gap guard reads positions on the host, which a graph cannot do: it is off here, and the
+loop's own bookkeeping (runner.generate) keeps writes contiguous.
+
+`graphs=False` runs the same buffers and calls eagerly; on a CPU that is how the tests check this engine
+against `EagerEngine` without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models import Speculator
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class _Call:
+    """One method at one width T: static inputs, the outputs of its last run, and its graph (if captured)."""
+
+    def __init__(self, fn, T: int, feature_dim: int | None, device: torch.device, dtype: torch.dtype):
+        self.fn, self.T = fn, T
+        pinned = device.type == "cuda"
+        self.host_in = torch.zeros(2 * T, dtype=torch.long, pin_memory=pinned)  # tokens, then positions
+        self.dev_in = torch.zeros(2 * T, dtype=torch.long, device=device)
+        self.feature = None if feature_dim is None else torch.zeros(1, T, feature_dim, device=device, dtype=dtype)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: tuple[torch.Tensor, ...] = ()
+
+    def _forward(self):
+        tokens, pos = self.dev_in[: self.T].view(1, self.T), self.dev_in[self.T:]
+        return self.fn(tokens, pos) if self.feature is None else self.fn(tokens, self.feature, pos)
+
+    def capture(self, pool, stream: torch.cuda.Stream) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.out = self._forward()
+
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, feature: torch.Tensor | None = None):
+        self.host_in[: self.T].copy_(tokens.reshape(-1))
+        self.host_in[self.T:].copy_(input_pos.reshape(-1))
+        self.dev_in.copy_(self.host_in, non_blocking=True)
+        if feature is not None:
+            self.feature.copy_(feature)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.out = self._forward()
+        ids = self.out[0].to("cpu")  # the one synchronisation of the call
+        return (ids, *self.out[1:])
+
+
+class _Round(_Call):
+    """One greedy round at chain k, all on the device (module doc, "Rounds"). Input: the anchor and P; state
+    kept on the device between rounds: the next first proposal and its g; output (to pinned host memory,
+    inside the graph): [a, vids[0], ..., vids[k]], so new = vids[:a+1]."""
+
+    def __init__(self, spec: Speculator, k: int, state: dict, device: torch.device, dtype: torch.dtype):
+        super().__init__(None, 1, None, device, dtype)
+        self.spec, self.k, self.state = spec, k, state
+        self.host_out = torch.zeros(k + 2, dtype=torch.long, pin_memory=device.type == "cuda")
+
+    def _forward(self):
+        spec, k, state = self.spec, self.k, self.state
+        anchor, P = self.dev_in[0:1].view(1, 1), self.dev_in[1]
+        tok, g = state["next_id"], state["g"]
+        props = [tok]
+        for j in range(1, k):  # chain step j pairs proposal j-1 with the last g, at draft position P + j - 1
+            ids, g, _ = spec.draft_decode(props[-1], g, (P + (j - 1)).view(1))
+            props.append(ids)
+        props = torch.cat(props, dim=1)  # [1, k]
+        pos = P + torch.arange(k + 1, device=P.device)
+        vids, fv, _ = spec.target_verify(torch.cat((anchor, props), dim=1), pos)
+        a = (props == vids[:, :k]).long().cumprod(dim=1).sum(dim=1)  # [1]: the leading run of matches
+        # reseed with all k+1 rows: rows <= a are the confirmed ones; the rows past a sit at positions the next
+        # round's chain overwrites before its causal mask could show them
+        ids, g_all, _ = spec.draft_decode(vids, fv, pos)
+        state["next_id"].copy_(ids.gather(1, a.view(1, 1)))
+        state["g"].copy_(g_all.gather(1, a.view(1, 1, 1).expand(1, 1, g_all.shape[-1])))
+        self.host_out.copy_(torch.cat((a, vids[0])), non_blocking=True)
+        return ()
+
+    def __call__(self, anchor: int, P: int) -> list[int]:
+        self.host_in[0], self.host_in[1] = anchor, P
+        self.dev_in.copy_(self.host_in, non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._forward()
+        if self.host_out.is_pinned():
+            torch.cuda.current_stream(self.dev_in.device).synchronize()  # the one synchronisation of the round
+        out = self.host_out.tolist()
+        return out[1 : out[0] + 2]
+
+
+class CudaEngine:
+    """The engine interface over a Speculator on `device`, with one CUDA graph per call shape (module doc)."""
+
+    def __init__(self, speculator: Speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int,
+                 min_prefill_chunk: int = 1, device: str | torch.device = "cuda", dtype: str = "bfloat16",
+                 kernels: bool = False, group: int = 128, graphs: bool = True, manifest_hash: str = ""):
+        from kernels.rule import check_max_m
+
+        if dtype not in DTYPES:
+            raise ValueError(f"CudaEngine dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.device = torch.device(device)
+        if graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}; pass graphs=False")
+        if kernels and (self.device.type != "cuda" or dtype != "bfloat16"):
+            raise ValueError(f"the GPU kernels take bfloat16 on CUDA; got dtype={dtype} on {self.device}")
+        check_max_m(max_m)
+        self.dtype = DTYPES[dtype]
+        spec = speculator.to(self.device, self.dtype).eval()
+        if kernels:
+            from kernels.transform import to_kernels
+
+            to_kernels(spec.target, max_m=max_m, group=group)
+            to_kernels(spec.draft, max_m=max_m, group=group)
+        spec.draft.check_gaps = False
+        self.spec = spec
+        cfg = spec.target.cfg
+        windows = [w for w in (cfg.sliding_window or []) if w]
+        self.meta = {
+            "max_m": max_m,
+            "default_chain": default_chain,
+            "max_seq_len": cfg.max_seq_len,
+            "vocab_size": cfg.vocab_size,
+            "draft_vocab_size": int(spec.draft.d2t.numel()),
+            "max_prefill_chunk": max_prefill_chunk,
+            "min_prefill_chunk": min_prefill_chunk,
+            "sliding_window": min(windows) if windows else None,
+            "manifest_hash": manifest_hash,
+            "d2t": spec.draft.d2t.detach().to("cpu", torch.long).clone(),
+        }
+        H = spec.draft.cfg.hidden_size
+        self.decode = _Call(spec.target_decode, 1, None, self.device, self.dtype)
+        self.verify = {T: _Call(spec.target_verify, T, None, self.device, self.dtype) for T in range(2, max_m + 1)}
+        self.draft = {T: _Call(spec.draft_decode, T, H, self.device, self.dtype) for T in range(1, max_m + 1)}
+        self.state = {"next_id": torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                      "g": torch.zeros(1, 1, H, device=self.device, dtype=self.dtype)}
+        self.rounds = {k: _Round(spec, k, self.state, self.device, self.dtype) for k in range(1, max_m)}
+        self.graphs = graphs
+        with torch.no_grad():
+            if graphs:
+                self._capture()
+            self.reset()
+
+    def calls(self) -> list[_Call]:
+        return [self.decode, *self.verify.values(), *self.draft.values(), *self.rounds.values()]
+
+    def _capture(self) -> None:
+        """Run every call once eagerly on a side stream (the kernels compile and allocate their counters
+        there), then capture each into a graph sharing one memory pool (replays never overlap)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for call in self.calls():
+                call._forward()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        pool = torch.cuda.graph_pool_handle()
+        for call in self.calls():
+            call.capture(pool, stream)
+        torch.cuda.synchronize(self.device)
+
+    def _window(self, table: dict, tokens: torch.Tensor, method: str) -> _Call:
+        T = tokens.shape[-1]
+        if T not in table:
+            raise ValueError(f"{method} takes T in [{min(table)}, {max(table)}] rows (max_m={self.meta['max_m']}); "
+                             f"got T={T}")
+        return table[T]
+
+    @torch.no_grad()
+    def prefill(self, tokens, input_pos):
+        next_id, feature, logits = self.spec.prefill(tokens.to(self.device), input_pos.to(self.device))
+        return next_id.to("cpu"), feature, logits
+
+    @torch.no_grad()
+    def target_verify(self, tokens, input_pos):
+        return self._window(self.verify, tokens, "target_verify")(tokens, input_pos)
+
+    @torch.no_grad()
+    def target_decode(self, tokens, input_pos):
+        if tokens.shape[-1] != 1:
+            raise ValueError(f"target_decode takes T=1; got T={tokens.shape[-1]}")
+        return self.decode(tokens, input_pos)
+
+    @torch.no_grad()
+    def draft_decode(self, tokens, feature, input_pos):
+        if tokens.shape[-1] in self.draft:
+            return self.draft[tokens.shape[-1]](tokens, input_pos, feature)
+        # seeding with a prompt's features: wider than any round, once per prompt, so eager
+        ids, g, logits = self.spec.draft_decode(tokens.to(self.device), feature.to(self.device, self.dtype),
+                                                input_pos.to(self.device))
+        return ids.to("cpu"), g, logits
+
+    # --- rounds on the device (runner.generate uses them for greedy decoding with a static K) ---------
+    device_rounds = True
+
+    def begin_rounds(self, first_id: int, g: torch.Tensor) -> None:
+        """The first proposal after seeding the draft with the prompt, and the g it came with."""
+        self.state["next_id"].fill_(int(first_id))
+        self.state["g"].copy_(g.reshape(1, 1, -1))
+
+    @torch.no_grad()
+    def speculate(self, k: int, anchor: int, P: int) -> list[int]:
+        """One greedy round at chain k from the anchor at P: -> new = props[:a] + [correction or bonus]."""
+        if k not in self.rounds:
+            raise ValueError(f"speculate takes k in [1, {max(self.rounds)}] (max_m={self.meta['max_m']}); got k={k}")
+        return self.rounds[k](anchor, P)
+
+    def reset(self) -> None:
+        self.spec.reset()

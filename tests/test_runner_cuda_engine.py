@@ -1,0 +1,137 @@
+"""runner.cuda_engine.CudaEngine: on the CPU (graphs off) its buffers and calls give what EagerEngine gives; on
+CUDA (skipped without one) its graph replays are lossless at every K and agree with the eager module."""
+
+import pytest
+import torch
+
+from models import Speculator, tiny_draft, tiny_target
+from runner.cuda_engine import CudaEngine
+from runner.engine import EagerEngine
+from runner.generate import generate
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WINDOWS = dict(max_m=5, default_chain=3, max_prefill_chunk=16, min_prefill_chunk=8)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def speculator(seed: int = 0) -> Speculator:
+    target = tiny_target(seed=seed, n_layers=2, max_seq_len=96)
+    draft = tiny_draft(target, seed=seed + 1, draft_vocab_size=160)
+    draft.set_vocab_map(torch.cat([torch.arange(96), torch.arange(96, 256, 2)[:64]]))
+    return Speculator(target, draft).eval()
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (int(length),), generator=g).tolist()
+            for length in torch.randint(1, 30, (n,), generator=g)]
+
+
+def cyclic_speculator(seed: int = 0) -> Speculator:
+    """A target whose layers add nothing, so its next token is a permutation pi of the current one, and a draft
+    whose first step predicts pi(pi(x)) from the feature of x: every round accepts exactly its first proposal
+    (the later steps see the same g and repeat it), so which draft row seeds the next round decides every
+    round's acceptance."""
+    target = tiny_target(seed=seed, n_layers=2, max_seq_len=96)
+    draft = tiny_draft(target, seed=seed + 1)
+    g = torch.Generator().manual_seed(seed)
+    pi = torch.randperm(256, generator=g)
+    H = target.cfg.hidden_size
+    with torch.no_grad():
+        E = torch.randn(256, H, generator=g)
+        target.embed_tokens.weight.copy_(E)
+        for layer in target.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        target.lm_head.weight[pi] = E  # row pi(x) is e_x: argmax after x is pi(x)
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, :H] = torch.eye(H)  # feature = e_x
+        draft.layers[0].self_attn.o_proj.weight.zero_()
+        draft.layers[0].mlp.down_proj.weight.zero_()
+        draft.lm_head.weight[pi[pi]] = E  # row pi(pi(x)) is e_x
+    return Speculator(target, draft).eval()
+
+
+def test_rounds_on_the_device_seed_each_round_from_the_accepted_row():
+    engine = CudaEngine(cyclic_speculator(), device="cpu", dtype="float32", graphs=False, **WINDOWS)
+    for prompt in prompts(3, seed=5):
+        base = generate(engine, prompt, chain=0, max_new_tokens=33)
+        for k in range(1, WINDOWS["max_m"]):
+            r = generate(engine, prompt, chain=k, max_new_tokens=33)
+            assert r.output_ids == base.output_ids
+            assert set(r.accepted[:-1]) == {1}, r.accepted  # the last round may be cut by the budget
+
+
+@pytest.mark.parametrize("chain", [0, 1, 2, 4])
+def test_cpu_buffers_give_what_the_eager_engine_gives(chain):
+    """Same weights, same prompts (fresh lengths 1..29, so prefill, verify-window prefill and one-token pads
+    all occur): identical tokens, identical acceptance per round, greedy and sampled."""
+    eager = EagerEngine(speculator(), **WINDOWS)
+    mine = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, **WINDOWS)
+    for i, prompt in enumerate(prompts(4, seed=chain)):
+        for temperature in (0.0, 0.9):
+            kw = dict(chain=chain, max_new_tokens=24, temperature=temperature, seed=i)
+            a, b = generate(eager, prompt, **kw), generate(mine, prompt, **kw)
+            assert b.output_ids == a.output_ids
+            assert b.accepted == a.accepted and b.chain_per_round == a.chain_per_round
+
+
+def test_every_chain_is_lossless_against_its_own_greedy():
+    engine = CudaEngine(speculator(3), device="cpu", dtype="float32", graphs=False, **WINDOWS)
+    for prompt in prompts(3, seed=7):
+        base = generate(engine, prompt, chain=0, max_new_tokens=40).output_ids
+        for k in range(1, WINDOWS["max_m"]):
+            assert generate(engine, prompt, chain=k, max_new_tokens=40).output_ids == base
+
+
+def test_a_window_outside_the_captured_range_is_refused_naming_it():
+    engine = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, **WINDOWS)
+    with pytest.raises(ValueError, match=r"target_verify takes T in \[2, 5\].*T=6"):
+        engine.target_verify(torch.zeros(1, 6, dtype=torch.long), torch.arange(6))
+    with pytest.raises(ValueError, match="target_decode takes T=1; got T=2"):
+        engine.target_decode(torch.zeros(1, 2, dtype=torch.long), torch.arange(2))
+    with pytest.raises(ValueError, match=r"speculate takes k in \[1, 4\].*k=5"):
+        engine.speculate(5, 1, 10)
+
+
+def test_bad_settings_are_refused_before_any_work():
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got cpu"):
+        CudaEngine(speculator(), device="cpu", **WINDOWS)
+    with pytest.raises(ValueError, match="dtype must be one of .*got 'float16'"):
+        CudaEngine(speculator(), device="cpu", dtype="float16", graphs=False, **WINDOWS)
+    with pytest.raises(ValueError, match="kernels take bfloat16 on CUDA"):
+        CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, kernels=True, **WINDOWS)
+    with pytest.raises(ValueError, match="max_m=17"):
+        CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, **{**WINDOWS, "max_m": 17})
+
+
+@cuda
+@pytest.mark.parametrize("kernels", [False, True])
+def test_graph_replays_are_lossless_at_every_chain(kernels):
+    engine = CudaEngine(speculator(5), device="cuda", kernels=kernels, **WINDOWS)
+    for prompt in prompts(3, seed=11):
+        base = generate(engine, prompt, chain=0, max_new_tokens=48).output_ids
+        for k in range(1, WINDOWS["max_m"]):
+            assert generate(engine, prompt, chain=k, max_new_tokens=48).output_ids == base
+
+
+@cuda
+def test_graph_rounds_seed_each_round_from_the_accepted_row():
+    engine = CudaEngine(cyclic_speculator(), device="cuda", **WINDOWS)
+    for prompt in prompts(3, seed=5):
+        base = generate(engine, prompt, chain=0, max_new_tokens=33)
+        for k in range(1, WINDOWS["max_m"]):
+            r = generate(engine, prompt, chain=k, max_new_tokens=33)
+            assert r.output_ids == base.output_ids and set(r.accepted[:-1]) == {1}, r.accepted
+
+
+@cuda
+def test_graph_replays_in_float32_equal_the_eager_module():
+    eager = EagerEngine(speculator(9), device="cuda", **WINDOWS)
+    mine = CudaEngine(speculator(9), device="cuda", dtype="float32", **WINDOWS)
+    for prompt in prompts(3, seed=13):
+        for k in (0, 3):
+            a = generate(eager, prompt, chain=k, max_new_tokens=48)
+            b = generate(mine, prompt, chain=k, max_new_tokens=48)
+            assert b.output_ids == a.output_ids and b.accepted == a.accepted
