@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# End-of-text tokens of our tokenizer (<|eos|>) and common HF ones, in the order they are looked for; the
-# end-of-turn tokens of chat templates (<|im_end|>, <end_of_turn>, <|eot_id|>) end a generation as well.
-EOS_TOKENS = ("<|eos|>", "<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+# End-of-text tokens of our tokenizer (<|eos|>) and common HF ones, in the order they are looked for (Gemma's
+# vocabulary holds "</s>" as plain text beside its "<eos>", so "<eos>" comes first); the end-of-turn tokens of
+# chat templates (<|im_end|>, <end_of_turn>, <|eot_id|>) end a generation as well.
+EOS_TOKENS = ("<|eos|>", "<|endoftext|>", "<eos>", "</s>", "<|end_of_text|>")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pipeline import data, prompts
-from runner.text import end_ids
+from runner.text import end_ids, eos_id
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -81,3 +81,13 @@ def test_end_ids_hold_end_of_text_and_end_of_turn(corpus):
     _, tok = corpus
     ids = end_ids(tok)
     assert ids == [tok.token_to_id("<|eos|>"), tok.token_to_id("<|im_end|>")]
+
+
+def test_a_vocabulary_with_both_eos_and_a_literal_closing_s_ends_documents_with_eos():
+    """Gemma 3's vocabulary has "<eos>" (its end of text, id 1) and "</s>" (id 212, plain text)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    tok = Tokenizer(WordLevel({"<unk>": 0, "<eos>": 1, "</s>": 212, "<end_of_turn>": 106}, unk_token="<unk>"))
+    assert eos_id(tok) == 1
+    assert end_ids(tok) == [1, 212, 106]
