@@ -1,4 +1,4 @@
-"""RMSNorm, RoPE and the SwiGLU product in one launch each, equal to the model's own math (models/layers.py).
+"""RMSNorm, RoPE and the gated MLP product (SwiGLU, GeGLU) in one launch each, equal to the model's own math (models/layers.py).
 
 Why: a cached Llama-class forward at T <= max_m is ~3000 kernel launches (Llama-3-8B shapes), and at these
 sizes an elementwise kernel costs its launch and drain, not its bytes. The model's RMSNorm is 7 torch
@@ -22,7 +22,8 @@ exact on the GPU; the CPU interpreter's exp may differ from torch's CPU exp in t
       `apply_rope(x.view(B, T, H, hd).transpose(1, 2), cos, sin)` (channels >= rot pass through);
       x may be a column slice of a wider row (the fused q|k|v output): only its last dim must be contiguous.
   swiglu(gate [..., H], up [..., H]) -> [..., H] contiguous, the model's `F.silu(gate) * up` (bf16; gate and up
-      may be column slices of the fused gate|up output).
+      may be column slices of the fused gate|up output); geglu the same with Gemma's `gelu_tanh(gate) * up`.
+  rms_norm(..., unit_offset=True) is Gemma's (1 + w) norm: normalised and scaled in fp32, cast once.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, libdevice
 
 from kernels._jit import compiled, lazy_jit, note_launch, pdl_capable
+from models.layers import SQRT_2_OVER_PI
 
 ROPE_HEADS = 8  # heads per RoPE program
+GELU_C = tl.constexpr(SQRT_2_OVER_PI)  # the model's constant, as a value the kernels may read
 SWIGLU_BLOCK = 1024  # columns per SwiGLU program
 
 
@@ -53,7 +56,7 @@ def _compile_options() -> dict:
 
 @lazy_jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, inv_d, eps, BLOCK_D: tl.constexpr,
-                     TRIGGER: tl.constexpr):
+                     TRIGGER: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     if TRIGGER:
         gdc_launch_dependents()  # the next GEMM's programs may start now (they wait for this grid's writes)
     row = tl.program_id(0)
@@ -61,9 +64,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, inv_d, eps, BLO
     ok = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     inv_rms = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) * inv_d + eps)  # torch: mean = sum * (1 / D)
-    normed = (x * inv_rms).to(y_ptr.dtype.element_ty).to(tl.float32)  # the model casts back, then scales
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=ok)
+    if UNIT_OFFSET:  # Gemma: scale by (1 + w) in float32, then cast
+        y = (x * inv_rms) * (1.0 + w)
+    else:  # Llama: cast the normalised row back, then scale by w
+        y = w * (x * inv_rms).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @lazy_jit(do_not_specialize=["T"])
@@ -93,8 +99,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, stride_xb, stride_xt, str
 
 
 @lazy_jit
-def _swiglu_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, H, BLOCK: tl.constexpr, TRIGGER: tl.constexpr,
-                   EXPF: tl.constexpr):
+def _glu_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, H, BLOCK: tl.constexpr, TRIGGER: tl.constexpr,
+                EXPF: tl.constexpr, GELU: tl.constexpr):
     if TRIGGER:
         gdc_launch_dependents()  # the down projection's programs may start now (they wait for this grid's writes)
     row = tl.program_id(0)
@@ -102,30 +108,41 @@ def _swiglu_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, H, BLOCK: tl.constex
     ok = cols < H
     g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
-    if EXPF:
-        e = libdevice.exp(-g)  # CUDA's expf, as torch's silu kernel calls it (tl.exp is ex2.approx based)
+    if GELU:  # models.layers.gelu_tanh, operation by operation
+        inner = GELU_C * (g + 0.044715 * (g * g * g))
+        if EXPF:
+            t = libdevice.tanh(inner)  # CUDA's tanhf, as torch's tanh kernel calls it
+        else:
+            e = tl.exp(-2.0 * tl.abs(inner))  # (the interpreter has no libdevice; no overflow this way)
+            t = tl.where(inner < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+        act = (0.5 * g) * (1.0 + t)
     else:
-        e = tl.exp(-g)  # (the interpreter has no libdevice; its exp is numpy's)
-    silu = tl.math.div_rn(g, 1.0 + e).to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + row * H + cols, (silu * u).to(y_ptr.dtype.element_ty), mask=ok)
+        if EXPF:
+            e = libdevice.exp(-g)  # CUDA's expf, as torch's silu kernel calls it (tl.exp is ex2.approx based)
+        else:
+            e = tl.exp(-g)  # (the interpreter has no libdevice; its exp is numpy's)
+        act = tl.math.div_rn(g, 1.0 + e)
+    act = act.to(y_ptr.dtype.element_ty).to(tl.float32)  # the model rounds act(gate) to bf16 before the product
+    tl.store(y_ptr + row * H + cols, (act * u).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @torch.library.triton_op("eagle3::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's RMSNorm of x [..., D] (bf16) with weight [D] (bf16), one launch."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """The model's RMSNorm of x [..., D] (bf16) with weight [D] (bf16), one launch; `unit_offset`: Gemma's."""
     D = x.shape[-1]
     x2 = _rows(x)
     y = torch.empty((x2.shape[0], D), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(D)
     trigger = pdl_capable(x.device)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), D, 1.0 / D, eps, BLOCK_D=block,
-                                     TRIGGER=trigger, num_warps=min(16, max(1, block // 256)), **_compile_options())
+                                     TRIGGER=trigger, UNIT_OFFSET=bool(unit_offset),
+                                     num_warps=min(16, max(1, block // 256)), **_compile_options())
     note_launch(x.device, trigger)
     return y.reshape(x.shape)
 
 
 @rms_norm.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, unit_offset=False):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -154,23 +171,38 @@ def _(x, cos, sin, n_heads):
     return x.new_empty((B, n_heads, T, width // n_heads))
 
 
-@torch.library.triton_op("eagle3::swiglu", mutates_args=())
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The model's `F.silu(gate) * up` for bf16 gate and up [..., H] (rows may be strided), one launch."""
+def _glu(gate: torch.Tensor, up: torch.Tensor, gelu: bool, name: str) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != torch.bfloat16 or up.dtype != torch.bfloat16:
-        raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must "
+        raise ValueError(f"{name}: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must "
                          f"be bf16 of one shape")
     H = gate.shape[-1]
     g2, u2 = _rows(gate), _rows(up)
     y = torch.empty((g2.shape[0], H), dtype=gate.dtype, device=gate.device)
     trigger = pdl_capable(gate.device)
-    _swiglu_kernel[(g2.shape[0], triton.cdiv(H, SWIGLU_BLOCK))](
-        g2, u2, y, g2.stride(0), u2.stride(0), H, BLOCK=SWIGLU_BLOCK, TRIGGER=trigger, EXPF=compiled(),
+    _glu_kernel[(g2.shape[0], triton.cdiv(H, SWIGLU_BLOCK))](
+        g2, u2, y, g2.stride(0), u2.stride(0), H, BLOCK=SWIGLU_BLOCK, TRIGGER=trigger, EXPF=compiled(), GELU=gelu,
         num_warps=4, **_compile_options())
     note_launch(gate.device, trigger)
     return y.reshape(gate.shape)
 
 
+@torch.library.triton_op("eagle3::swiglu", mutates_args=())
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The model's `F.silu(gate) * up` for bf16 gate and up [..., H] (rows may be strided), one launch."""
+    return _glu(gate, up, False, "swiglu")
+
+
 @swiglu.register_fake
+def _(gate, up):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.triton_op("eagle3::geglu", mutates_args=())
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The model's `gelu_tanh(gate) * up` (Gemma's MLP) for bf16 gate and up [..., H], one launch."""
+    return _glu(gate, up, True, "geglu")
+
+
+@geglu.register_fake
 def _(gate, up):
     return torch.empty_like(gate, memory_format=torch.contiguous_format)

@@ -8,11 +8,12 @@ cached attention with T <= max_m.
 - every `models.layers.Attention` gets a subclass whose `forward` records `input_pos` for the duration of
   the call and whose `attend` runs `dispatch.attention` (sdpa_midm for T <= max_m, torch SDPA above) on
   the cached path; the stateless path (input_pos None) keeps the model's own attention;
-- with norm_rope=True (the default) every `RMSNorm`, the attention's RoPE of q and k and the MLP's SwiGLU
-  product run as one launch each (kernels.norm_rope: the same values, 5 launches where the model's code makes
+- with norm_rope=True (the default) every `RMSNorm` (Gemma's (1 + w) ones too), the attention's RoPE of q
+  and k and the MLP's gated product (SwiGLU, or Gemma's GeGLU) run as one launch each (kernels.norm_rope: the same values, 5 launches where the model's code makes
   30 per layer).
 The model's own code (cache writes, masks, the layer loop) is untouched: only the math behind `attend`,
-the linears, the norms, RoPE and the SwiGLU product changes. Move the model to CUDA in bfloat16 before or
+the linears, the norms, RoPE and the gated product changes (Gemma 3's other options, QK-norm, the attention
+scale, the embedding scale and the per-layer RoPE bases, are the model's own code around these calls). Move the model to CUDA in bfloat16 before or
 after; the kernels need bf16 activations.
 Run one eager forward before capturing a CUDA graph: it compiles the kernels and allocates the split-K
 arrival counters (kernels.int4_launch.counters) outside the capture.
@@ -28,9 +29,9 @@ from torch import nn
 from kernels import dispatch
 from kernels._jit import note_launch
 from kernels.int4_gemm import quantize_int4
-from kernels.norm_rope import rms_norm, rope, swiglu
+from kernels.norm_rope import geglu, rms_norm, rope, swiglu
 from kernels.rule import check_max_m
-from models.layers import MLP, Attention, RMSNorm
+from models.layers import MLP, Attention, RMSNorm, gelu_tanh
 
 
 class Int4Linear(nn.Module):
@@ -114,7 +115,7 @@ class KernelRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16:
             return super().forward(x)
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.unit_offset)
 
 
 class KernelMLP(MLP):
@@ -126,8 +127,8 @@ class KernelMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.kernel_swiglu and gate.dtype == torch.bfloat16 and up.dtype == torch.bfloat16:
-            return self.down_proj(swiglu(gate, up))
-        h = F.silu(gate) * up
+            return self.down_proj((swiglu if self.act == "silu" else geglu)(gate, up))
+        h = (F.silu(gate) if self.act == "silu" else gelu_tanh(gate)) * up
         note_launch(h.device, False)
         return self.down_proj(h)
 
@@ -175,12 +176,10 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
     check_max_m(max_m)
     windows = {}
     cfg = getattr(model, "cfg", None)
-    unsupported = {k: getattr(cfg, k, None) for k in ("norm_unit_offset", "hidden_act", "attn_logit_softcap")}
-    unsupported = {k: v for k, v in unsupported.items() if v not in (None, False, "silu")}
-    if unsupported:
-        # The kernels implement (w * x) RMSNorm, SwiGLU and uncapped attention only (Gemma 3 needs all three).
-        raise NotImplementedError(f"to_kernels: {unsupported} is not implemented by the kernels "
-                                  f"(RMSNorm without unit offset, SwiGLU, attention without soft-cap)")
+    if getattr(cfg, "attn_logit_softcap", None) is not None:
+        # sdpa_midm computes uncapped attention (Gemma 3 sets the cap but transformers never applies it)
+        raise NotImplementedError(f"to_kernels: attn_logit_softcap={cfg.attn_logit_softcap} is not implemented "
+                                  f"by the kernels (attention without soft-cap)")
     for i, layer in enumerate(getattr(model, "layers", [])):
         attn = getattr(layer, "self_attn", None)
         if attn is not None and cfg is not None and hasattr(cfg, "window"):

@@ -4,6 +4,7 @@ exports with a dynamic T.
 CPU runs use Triton's interpreter (see kernels/_jit.py)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -87,11 +88,36 @@ def test_exports_with_dynamic_t(interpret, models):
     assert sum("eagle3.swiglu" in t for t in targets) == 2
 
 
-@pytest.mark.parametrize("option", [{"norm_unit_offset": True}, {"hidden_act": "gelu_pytorch_tanh"},
-                                    {"attn_logit_softcap": 50.0}])
-def test_refuses_what_the_kernels_do_not_compute(option):
-    with pytest.raises(NotImplementedError, match=next(iter(option))):
-        to_kernels(Transformer(TargetConfig(**option)))
+def test_refuses_what_the_kernels_do_not_compute():
+    with pytest.raises(NotImplementedError, match="attn_logit_softcap=50.0"):
+        to_kernels(Transformer(TargetConfig(attn_logit_softcap=50.0)))
+
+
+GEMMA = dataclasses.replace(CFG, n_layers=3, norm_unit_offset=True, output_norms=True, qk_norm=True,
+                            hidden_act="gelu_pytorch_tanh", attn_scale=0.2, embed_scale=8.0, rope_local_theta=10000.0,
+                            rope_theta=1e6, sliding_window=[9, 9, None])
+
+
+@torch.no_grad()
+def test_gemma3_options_on_the_kernels_match_the_dequantised_model(interpret):
+    """Gemma 3's layers: (1 + w) norms before and after each sublayer, QK-norm, GeGLU, the attention scale,
+    windowed layers with their own RoPE base."""
+    torch.manual_seed(4)
+    ref = Transformer(GEMMA).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, torch.nn.Module) and getattr(m, "unit_offset", False):
+                m.weight.normal_(0.0, 0.3)  # (1 + w) with w != 0, so the offset is exercised
+    kern = to_kernels(copy.deepcopy(ref), max_m=MAX_M, group=32)
+    ref = with_dequantised_weights(ref, kern)
+    tokens = torch.randint(0, 256, (1, 24))
+    for m in (kern, ref):
+        m.reset_cache()
+    pos = 0
+    for T in (12, 1, 3, 4, 2):
+        args = (tokens[:, pos:pos + T], torch.arange(pos, pos + T))
+        assert rel_err(kern(*args), ref(*args)) < 2e-2, f"T={T}"
+        pos += T
 
 
 def test_a_width_the_group_does_not_divide_takes_group_32():
