@@ -1,6 +1,7 @@
 """The CUDA engine on one GPU: exactness checks, then the cost of a speculative round at every K by shape.
 
     python3 -m bench.cuda_engine --out $OUT/cuda_engine.json [--only check,shapes] [--tau tau.json]
+    python3 -m bench.cuda_engine --from bench/results/h200-cuda-engine.json --tau bench/results/cpu-tau.json
 
 check   transformers' greedy (fp32, its own LlamaForCausalLM) against the engine with the kernels off in
         fp32 on the same weights, 64 tokens on several prompts; and the engine in bf16 with graphs (kernels
@@ -155,45 +156,58 @@ def shape_costs(shape: dict, kernels: bool, context: int, new_tokens: int) -> di
     return row
 
 
+def print_shape(name: str, row: dict, taus: dict) -> None:
+    """One shape's table; with taus[shape][K], the predicted speedup tau(K) / (round(K) / decode)."""
+    rounds = {int(k): v for k, v in row["rounds"].items()}
+    verify = {int(k): v for k, v in row["verify_gpu_ms"].items()}
+    dec = rounds[0]["round_ms"]
+    print(f"\n{name} (context {row['context']}, load {row['load_s']:.0f} s): decode gpu "
+          f"{row['decode_gpu_ms']*1e3:.0f} us, call {row['decode_call_ms']*1e3:.0f} us; draft step gpu "
+          f"{row['draft_gpu_ms']*1e3:.0f} us, call {row['draft_call_ms']*1e3:.0f} us; K=0 "
+          f"{rounds[0]['tokens_per_s']:.0f} tokens/s")
+    print(f"{'K':>2} {'verify T=K+1 gpu us':>20} {'round gpu us':>12} {'round us':>9} {'host us':>8} "
+          f"{'round/decode':>12} {'tau':>5} {'pred. speedup':>13}")
+    for k, rd in rounds.items():
+        tau = taus.get(name.split("+")[0], {}).get(str(k))
+        ratio = rd["round_ms"] / dec
+        v = verify.get(k + 1, row["decode_gpu_ms"]) if k else row["decode_gpu_ms"]
+        pred = f"{tau / ratio:13.2f}" if tau else f"{'':>13}"
+        print(f"{k:>2} {v*1e3:20.0f} {rd['gpu_ms']*1e3:12.0f} {rd['round_ms']*1e3:9.0f} {rd['host_ms']*1e3:8.0f} "
+              f"{ratio:12.2f} {(tau or 0):5.2f} {pred}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="check,shapes")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="write the results JSON here (needed unless --from)")
+    ap.add_argument("--from", dest="saved", default=None, help="print the tables of a saved results JSON (no GPU)")
     ap.add_argument("--tau", default=None, help="JSON {shape: {K: tau}} to turn round costs into speedups")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--shapes", default=None, help="comma-separated names of SHAPES (default: all)")
     args = ap.parse_args()
+    taus = json.load(open(args.tau)) if args.tau else {}
+    if args.saved:
+        for name, row in json.load(open(args.saved))["shapes"].items():
+            print_shape(name, row, taus)
+        return
+    if not args.out:
+        ap.error("--out is needed to measure (or --from to print a saved run)")
     only = set(args.only.split(","))
-    args.shapes = args.shapes.split(",") if args.shapes else None
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "max_m": MAX_M}
     if "check" in only:
         result["check"] = check()
         print("check:", json.dumps(result["check"]))
-    taus = json.load(open(args.tau)) if args.tau else {}
     if "shapes" in only:
         result["shapes"] = {}
-        runs = [(name, kernels) for name in args.shapes or SHAPES
+        runs = [(name, kernels) for name in (args.shapes.split(",") if args.shapes else SHAPES)
                 for kernels in ((True,) if name.endswith("int4") else (False, True))]
         for name, kernels in runs:
             row = shape_costs(SHAPES[name], kernels, args.context, args.new_tokens)
             name = f"{name}{'+kernels' if kernels else ''}"
             result["shapes"][name] = row
             torch.cuda.empty_cache()
-            dec = row["rounds"][0]["round_ms"]
-            print(f"\n{name} (context {row['context']}, load {row['load_s']:.0f} s): decode gpu "
-                  f"{row['decode_gpu_ms']*1e3:.0f} us, call {row['decode_call_ms']*1e3:.0f} us; draft step gpu "
-                  f"{row['draft_gpu_ms']*1e3:.0f} us, call {row['draft_call_ms']*1e3:.0f} us; K=0 "
-                  f"{row['rounds'][0]['tokens_per_s']:.0f} tokens/s")
-            print(f"{'K':>2} {'verify T=K+1 gpu us':>20} {'round gpu us':>12} {'round us':>9} {'host us':>8} {'round/decode':>12} "
-                  f"{'tau':>5} {'pred. speedup':>13}")
-            for k, rd in row["rounds"].items():
-                tau = taus.get(name.split("+")[0], {}).get(str(k))
-                ratio = rd["round_ms"] / dec
-                v = row["verify_gpu_ms"].get(k + 1, row["decode_gpu_ms"]) if k else row["decode_gpu_ms"]
-                pred = f"{tau / ratio:13.2f}" if tau else f"{'':>13}"
-                print(f"{k:>2} {v*1e3:20.0f} {rd['gpu_ms']*1e3:12.0f} {rd['round_ms']*1e3:9.0f} {rd['host_ms']*1e3:8.0f} {ratio:12.2f} "
-                      f"{(tau or 0):5.2f} {pred}")
+            print_shape(name, row, taus)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -17,10 +17,11 @@ device as views of the graph's output buffers (valid until that graph's next rep
 reaches before it has consumed them). Prefill runs eagerly: it happens once per prompt, at any length.
 
 Rounds: for greedy decoding at a static K the loop hands the engine whole rounds (`speculate`), one graph per
-K in [1, max_m - 1]: K-1 draft steps from the proposal and g the last round left on the device, target_verify
+K in [0, max_m - 1]: K-1 draft steps from the proposal and g the last round left on the device, target_verify
 of [anchor] + proposals, the accepted length a as the leading run of matches, and the draft reseeded with all
 K+1 verified rows, of which row a gives the next round's first proposal. The graph ends by copying a and the
-verified ids to pinned host memory, so a round costs one launch and one synchronisation. Reseeding K+1 rows
+verified ids to pinned host memory, so a round costs one launch and one synchronisation. K = 0, the
+baseline, is a graph of the same kind around target_decode, so speedups compare like with like. Reseeding K+1 rows
 instead of a+1 is what keeps the graph static: the rows past a sit at draft positions the next round's chain
 overwrites before its causal mask could show them. Sampling and the adaptive policy use the per-call path.
 
@@ -88,6 +89,10 @@ class _Round(_Call):
     def _forward(self):
         spec, k, state = self.spec, self.k, self.state
         anchor, P = self.dev_in[0:1].view(1, 1), self.dev_in[1]
+        if k == 0:  # the baseline's step, with the same launch and synchronisation as a round
+            ids, _ = spec.target_decode(anchor, P.view(1))
+            self.host_out.copy_(torch.cat((torch.zeros_like(ids[0]), ids[0])), non_blocking=True)
+            return ()
         tok, g = state["next_id"], state["g"]
         props = [tok]
         for j in range(1, k):  # chain step j pairs proposal j-1 with the last g, at draft position P + j - 1
@@ -163,7 +168,7 @@ class CudaEngine:
         self.draft = {T: _Call(spec.draft_decode, T, H, self.device, self.dtype) for T in range(1, max_m + 1)}
         self.state = {"next_id": torch.zeros(1, 1, dtype=torch.long, device=self.device),
                       "g": torch.zeros(1, 1, H, device=self.device, dtype=self.dtype)}
-        self.rounds = {k: _Round(spec, k, self.state, self.device, self.dtype) for k in range(1, max_m)}
+        self.rounds = {k: _Round(spec, k, self.state, self.device, self.dtype) for k in range(0, max_m)}
         self.graphs = graphs
         with torch.no_grad():
             if graphs:
@@ -228,9 +233,10 @@ class CudaEngine:
 
     @torch.no_grad()
     def speculate(self, k: int, anchor: int, P: int) -> list[int]:
-        """One greedy round at chain k from the anchor at P: -> new = props[:a] + [correction or bonus]."""
+        """One greedy round at chain k from the anchor at P: -> new = props[:a] + [correction or bonus]
+        (k = 0: the target's next token alone)."""
         if k not in self.rounds:
-            raise ValueError(f"speculate takes k in [1, {max(self.rounds)}] (max_m={self.meta['max_m']}); got k={k}")
+            raise ValueError(f"speculate takes k in [0, {max(self.rounds)}] (max_m={self.meta['max_m']}); got k={k}")
         return self.rounds[k](anchor, P)
 
     def reset(self) -> None:

@@ -25,9 +25,9 @@ prompt goes through target_verify windows (T in [2, max_m]); K outside [1, max_m
 only where drafting cannot pay: near the token budget and the end of the cache. `policy="adaptive"`
 picks each round's K from the acceptance seen so far and the measured verify and draft costs.
 
-An engine with `device_rounds` (runner.cuda_engine) runs a greedy round at a static K itself: `speculate(k,
-anchor, P)` drafts, verifies, accepts and reseeds on its device and returns `new`, one synchronisation per
-round; the loop around it (budget, stop tokens, metrics) is this one.
+An engine with `device_rounds` (runner.cuda_engine) runs a greedy round at a static K itself (K = 0 too):
+`speculate(k, anchor, P)` drafts, verifies, accepts and reseeds on its device and returns `new`, one
+synchronisation per round; the loop around it (budget, stop tokens, metrics) is this one.
 
 Not here: batching, tree drafts, a prefix cache shared across prompts.
 """
@@ -503,12 +503,12 @@ def generate(
         # no drafting past the budget or the cache: K = 0 is a plain target step
         k = 0 if k_max == 0 else min(chooser.choose(), room, out.remaining - 1)
         verify_clock, draft_clock = Clock(), Clock()
-        if k == 0:
-            with verify_clock:
-                new = target_step(engine, sampler, anchor, P)
-        elif on_device:
+        if on_device:
             with verify_clock:  # draft steps, verify and reseed in one call: all of it counts as verify
                 new = engine.speculate(k, anchor, P)
+        elif k == 0:
+            with verify_clock:
+                new = target_step(engine, sampler, anchor, P)
         else:
             new, fv = speculative_round(engine, draft, sampler, first, anchor, P, k, verify_clock, draft_clock)
         a = len(new) - 1

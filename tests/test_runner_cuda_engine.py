@@ -91,7 +91,7 @@ def test_a_window_outside_the_captured_range_is_refused_naming_it():
         engine.target_verify(torch.zeros(1, 6, dtype=torch.long), torch.arange(6))
     with pytest.raises(ValueError, match="target_decode takes T=1; got T=2"):
         engine.target_decode(torch.zeros(1, 2, dtype=torch.long), torch.arange(2))
-    with pytest.raises(ValueError, match=r"speculate takes k in \[1, 4\].*k=5"):
+    with pytest.raises(ValueError, match=r"speculate takes k in \[0, 4\].*k=5"):
         engine.speculate(5, 1, 10)
 
 
