@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from models import Speculator
+from runner.engine import speculator_meta
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -148,20 +149,9 @@ class CudaEngine:
             to_kernels(spec.draft, max_m=max_m, group=group)
         spec.draft.check_gaps = False
         self.spec = spec
-        cfg = spec.target.cfg
-        windows = [w for w in (cfg.sliding_window or []) if w]
-        self.meta = {
-            "max_m": max_m,
-            "default_chain": default_chain,
-            "max_seq_len": cfg.max_seq_len,
-            "vocab_size": cfg.vocab_size,
-            "draft_vocab_size": int(spec.draft.d2t.numel()),
-            "max_prefill_chunk": max_prefill_chunk,
-            "min_prefill_chunk": min_prefill_chunk,
-            "sliding_window": min(windows) if windows else None,
-            "manifest_hash": manifest_hash,
-            "d2t": spec.draft.d2t.detach().to("cpu", torch.long).clone(),
-        }
+        self.meta = speculator_meta(spec, max_m=max_m, default_chain=default_chain,
+                                    max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,
+                                    manifest_hash=manifest_hash)
         H = spec.draft.cfg.hidden_size
         self.decode = _Call(spec.target_decode, 1, None, self.device, self.dtype)
         self.verify = {T: _Call(spec.target_verify, T, None, self.device, self.dtype) for T in range(2, max_m + 1)}

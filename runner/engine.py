@@ -1,4 +1,5 @@
-"""The engine interface the speculative loop is written against, and its two implementations.
+"""The engine interface the speculative loop is written against, and two of its implementations (the third,
+CUDA graphs on the GPU kernels, is runner/cuda_engine.py).
 
 An engine exposes the methods of the exported program (docs/design.md §2) under the same names:
 
@@ -158,6 +159,25 @@ class PteEngine:
         hides slots beyond the query. (A fresh cache would need a second load_program.)"""
 
 
+def speculator_meta(speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int, min_prefill_chunk: int,
+                    manifest_hash: str = "") -> dict:
+    """The `meta` of an engine over a models.Speculator: the windows given, the rest read off the modules."""
+    target_cfg = speculator.target.cfg
+    windows = [w for w in (target_cfg.sliding_window or []) if w]
+    return {
+        "max_m": max_m,
+        "default_chain": default_chain,
+        "max_seq_len": target_cfg.max_seq_len,
+        "vocab_size": target_cfg.vocab_size,
+        "draft_vocab_size": int(speculator.draft.d2t.numel()),
+        "max_prefill_chunk": max_prefill_chunk,
+        "min_prefill_chunk": min_prefill_chunk,
+        "sliding_window": min(windows) if windows else None,
+        "manifest_hash": manifest_hash,
+        "d2t": speculator.draft.d2t.detach().to("cpu", torch.long).clone(),
+    }
+
+
 class EagerEngine:
     """`models.Speculator` run eagerly on `device` (CPU, or CUDA where the kernels plug in). Inputs and
     outputs are CPU tensors, like the .pte's. The prefill/verify bounds default to the export stage's."""
@@ -166,20 +186,9 @@ class EagerEngine:
                  min_prefill_chunk: int = 1, device: str | torch.device = "cpu", manifest_hash: str = ""):
         self.device = torch.device(device)
         self.spec = speculator.to(self.device).eval()
-        target_cfg = speculator.target.cfg
-        windows = [w for w in (target_cfg.sliding_window or []) if w]
-        self.meta = {
-            "max_m": max_m,
-            "default_chain": default_chain,
-            "max_seq_len": target_cfg.max_seq_len,
-            "vocab_size": target_cfg.vocab_size,
-            "draft_vocab_size": int(speculator.draft.d2t.numel()),
-            "max_prefill_chunk": max_prefill_chunk,
-            "min_prefill_chunk": min_prefill_chunk,
-            "sliding_window": min(windows) if windows else None,
-            "manifest_hash": manifest_hash,
-            "d2t": speculator.draft.d2t.detach().to("cpu", torch.long).clone(),
-        }
+        self.meta = speculator_meta(speculator, max_m=max_m, default_chain=default_chain,
+                                    max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,
+                                    manifest_hash=manifest_hash)
 
     @torch.no_grad()
     def _run(self, fn, *inputs):
