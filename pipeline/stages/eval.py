@@ -18,10 +18,10 @@ windows export.* fixes, reading the target and draft artifacts only (the export 
 Writes into the Hydra job directory:
     metrics.json        the names below, also the MLflow metrics of this job (pte_sha256 as a tag)
     generations.jsonl   one line per prompt: prompt, prompt_ids, output_ids, text, tau, lossless, ...
-Metrics: chain, max_m, pte_sha256 ("" on the CUDA engine), tokens_per_s, baseline_tokens_per_s, speedup, tau (tokens emitted per
-round, the prefill bonus excluded), acceptance_rate, acceptance_pos_<i> (i < K; 0 where no round
-reached i), verify_ms_per_round, draft_ms_per_round, prefill_ms (per prompt, target prefill + draft
-seeding), rounds, emitted_tokens, lossless, n_prompts. Throughputs are decode tokens (after the prefill
+Metrics: chain, max_m, pte_sha256 ("" on the CUDA engine), tokens_per_s, baseline_tokens_per_s, speedup,
+tau (tokens emitted per round, the prefill bonus excluded), acceptance_rate, acceptance_pos_<i> (i < K; 0
+where no round reached i), verify_ms_per_round, draft_ms_per_round, prefill_ms (per prompt, target prefill +
+draft seeding), rounds, emitted_tokens, lossless, n_prompts. Throughputs are decode tokens (after the prefill
 bonus) over decode time, summed over prompts. After a one-prompt warm-up of both runs, which is not counted.
 """
 
