@@ -120,6 +120,16 @@ def check_dispatch_windows(windows: Mapping[str, tuple[int, int]], max_m: int) -
             )
 
 
+def windows(ec) -> dict:
+    """The call windows the export config fixes: max_m, default_chain and the prefill chunk range
+    (`min_prefill_chunk` None = max_m + 1). The .pte is lowered for them, and the CUDA engine captures its
+    graphs for the same ones."""
+    max_m = int(ec.max_m)
+    min_prefill = int(ec.min_prefill_chunk) if ec.get("min_prefill_chunk") is not None else max_m + 1
+    return dict(max_m=max_m, default_chain=int(ec.default_chain), max_prefill_chunk=int(ec.max_prefill_chunk),
+                min_prefill_chunk=min_prefill)
+
+
 def check_export_args(*, max_m: int, default_chain: int, min_prefill_chunk: int, max_prefill_chunk: int,
                       max_seq_len: int, backend: str, quant: str, group_size: int) -> None:
     """Every refusal that does not need the model, raised before any tracing or lowering."""

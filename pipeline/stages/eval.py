@@ -80,22 +80,21 @@ def upstream_for(cfg: DictConfig) -> tuple[str, ...]:
 
 def load_engine(cfg: DictConfig, upstream: dict):
     engine = check_engine(cfg)
-    if engine == "cuda":
-        from pipeline.stages.export import load_pair, windows
-        from runner.cuda_engine import CudaEngine
-
-        speculator = load_pair(Path(upstream["target"].path), Path(upstream["draft"].path))
-        return CudaEngine(speculator, **windows(cfg.export), device=cfg.runtime.get("device") or "cuda",
-                          kernels=cfg.export.get("quant") == "int4", group=CUDA_GROUP)
-    pte = PteEngine(pte_path(upstream["export"]), verified=True)  # Store.load re-hashed every file of the artifact
     if engine == "pte":
-        return pte
+        return PteEngine(pte_path(upstream["export"]), verified=True)  # the store re-hashed the artifact's files
     from models import Speculator, load_speculators, load_target
 
     target = load_target(upstream["target"].path)
-    draft = load_speculators(upstream["draft"].path, target)
+    speculator = Speculator(target, load_speculators(upstream["draft"].path, target))
+    if engine == "cuda":
+        from pipeline.export_pte import windows
+        from runner.cuda_engine import CudaEngine
+
+        return CudaEngine(speculator, **windows(cfg.export), device=cfg.runtime.get("device") or "cuda",
+                          kernels=cfg.export.get("quant") == "int4", group=CUDA_GROUP)
+    pte = PteEngine(pte_path(upstream["export"]), verified=True)
     m = pte.meta  # the same windows as the exported program
-    return EagerEngine(Speculator(target, draft), max_m=m["max_m"], default_chain=m["default_chain"],
+    return EagerEngine(speculator, max_m=m["max_m"], default_chain=m["default_chain"],
                        max_prefill_chunk=m["max_prefill_chunk"], min_prefill_chunk=m["min_prefill_chunk"],
                        device=cfg.runtime.get("device") or "cpu", manifest_hash=m["manifest_hash"])
 

@@ -30,7 +30,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipeline.artifacts import PTE
-from pipeline.export_pte import check_export_args, export_pte
+from pipeline.export_pte import check_export_args, export_pte, windows
 from pipeline.store import hash_tree
 
 log = logging.getLogger(__name__)
@@ -38,15 +38,6 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 2  # 2: get_sliding_window is a required constant method
 UPSTREAM = ("target", "draft")
 CONFIG_KEYS = ("export",)
-
-
-def windows(ec: DictConfig) -> dict:
-    """The call windows export.* fixes: max_m, default_chain and the prefill chunk range. The .pte is lowered
-    for them, and the CUDA engine captures its graphs for the same ones."""
-    max_m = int(ec.max_m)
-    min_prefill = int(ec.min_prefill_chunk) if ec.get("min_prefill_chunk") is not None else max_m + 1
-    return dict(max_m=max_m, default_chain=int(ec.default_chain), max_prefill_chunk=int(ec.max_prefill_chunk),
-                min_prefill_chunk=min_prefill)
 
 
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
