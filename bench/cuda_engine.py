@@ -1,7 +1,7 @@
 """The CUDA engine on one GPU: exactness checks, then the cost of a speculative round at every K by shape.
 
     python3 -m bench.cuda_engine --out $OUT/cuda_engine.json [--only check,shapes] [--tau tau.json]
-    python3 -m bench.cuda_engine --from bench/results/h200-cuda-engine.json --tau bench/results/cpu-tau.json
+    python3 -m bench.cuda_engine --from bench/results/h200-cuda-engine.json --tau bench/results/real-targets-cpu-tau.json
 
 check   transformers' greedy (fp32, its own LlamaForCausalLM) against the engine with the kernels off in
         fp32 on the same weights, 64 tokens on several prompts; and the engine in bf16 with graphs (kernels

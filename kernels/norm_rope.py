@@ -192,17 +192,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _glu(gate, up, False, "swiglu")
 
 
-@swiglu.register_fake
-def _(gate, up):
-    return torch.empty_like(gate, memory_format=torch.contiguous_format)
-
-
 @torch.library.triton_op("eagle3::geglu", mutates_args=())
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The model's `gelu_tanh(gate) * up` (Gemma's MLP) for bf16 gate and up [..., H], one launch."""
     return _glu(gate, up, True, "geglu")
 
 
-@geglu.register_fake
-def _(gate, up):
+def _glu_fake(gate, up):
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+swiglu.register_fake(_glu_fake)
+geglu.register_fake(_glu_fake)

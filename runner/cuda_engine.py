@@ -63,16 +63,20 @@ class _Call:
         with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.out = self._forward()
 
-    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, feature: torch.Tensor | None = None):
-        self.host_in[: self.T].copy_(tokens.reshape(-1))
-        self.host_in[self.T:].copy_(input_pos.reshape(-1))
+    def run(self) -> None:
+        """The staged inputs to the device in one copy, then the graph (or, without one, the eager calls)."""
         self.dev_in.copy_(self.host_in, non_blocking=True)
-        if feature is not None:
-            self.feature.copy_(feature)
         if self.graph is not None:
             self.graph.replay()
         else:
             self.out = self._forward()
+
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, feature: torch.Tensor | None = None):
+        self.host_in[: self.T].copy_(tokens.reshape(-1))
+        self.host_in[self.T:].copy_(input_pos.reshape(-1))
+        if feature is not None:
+            self.feature.copy_(feature)
+        self.run()
         ids = self.out[0].to("cpu")  # the one synchronisation of the call
         return (ids, *self.out[1:])
 
@@ -113,11 +117,7 @@ class _Round(_Call):
 
     def __call__(self, anchor: int, P: int) -> list[int]:
         self.host_in[0], self.host_in[1] = anchor, P
-        self.dev_in.copy_(self.host_in, non_blocking=True)
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self._forward()
+        self.run()
         if self.host_out.is_pinned():
             torch.cuda.current_stream(self.dev_in.device).synchronize()  # the one synchronisation of the round
         out = self.host_out.tolist()

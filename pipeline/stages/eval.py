@@ -60,26 +60,15 @@ ENGINES = ("pte", "eager", "cuda")
 CUDA_GROUP = 128  # the INT4 group of the CUDA kernels (the Gluon GEMM's; kernels.transform falls back to 32)
 
 
-def check_engine(cfg: DictConfig) -> str:
-    engine = str(cfg.runtime.engine)
-    if engine not in ENGINES:
-        raise ValueError(f"runtime.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("runtime.engine=cuda needs a CUDA device, and torch sees none here; use "
-                             "runtime.engine=pte (the .pte on the CPU) or eager")
-    return engine
-
-
 def upstream_for(cfg: DictConfig) -> tuple[str, ...]:
     """The CUDA engine runs the target and draft artifacts themselves, in the windows export.* fixes: no .pte."""
     return ("target", "draft") if cfg.runtime.get("engine") == "cuda" else UPSTREAM
 
 
 def load_engine(cfg: DictConfig, upstream: dict):
-    engine = check_engine(cfg)
+    engine = str(cfg.runtime.engine)  # pipeline.validate refused any other, and cuda without a CUDA device
+    if engine not in ENGINES:
+        raise ValueError(f"runtime.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if engine == "pte":
         return PteEngine(pte_path(upstream["export"]), verified=True)  # the store re-hashed the artifact's files
     from models import Speculator, load_speculators, load_target
