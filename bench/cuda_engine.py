@@ -2,6 +2,7 @@
 
     python3 -m bench.cuda_engine --out $OUT/cuda_engine.json [--only check,shapes] [--tau tau.json]
     python3 -m bench.cuda_engine --from bench/results/h200-cuda-engine.json --tau bench/results/real-targets-cpu-tau.json
+    python3 -m bench.cuda_engine --only preset,gemma --store outputs/store --out $OUT/peers.json
 
 check   transformers' greedy (fp32, its own LlamaForCausalLM) against the engine with the kernels off in
         fp32 on the same weights, 64 tokens on several prompts; and the engine in bf16 with graphs (kernels
@@ -16,6 +17,17 @@ shapes  random weights in the shapes of the supported real targets (bf16 dense, 
         Random drafts accept almost nothing, so every timed round does the work of a rejected chain: K draft
         steps and one verify of K+1 rows, which is what a round costs whatever it accepts, up to the reseed
         width.
+preset  the target and draft a `+experiment=gpu` pipeline left in --store, on the held-out taps' prompts
+        (their first held_out_prompt_len tokens, max_new_tokens 256): the engine (bf16, CUDA graphs) at K = 0
+        and every K, against the same weights in transformers' LlamaForCausalLM (bf16) with its default cache,
+        with a static cache and `torch.compile` (mode reduce-overhead), with prompt-lookup decoding and with
+        assisted generation (a copy of the target's first ASSISTANT_LAYERS layers as the assistant), all
+        greedy, one after another on the same prompts; tokens/s = new tokens / wall time of the whole
+        generation (prefill included), and the engine's decode-only rate beside it.
+gemma   Gemma 3 270M's real layers (its config: 5 sliding-window layers to 1 global, QK-norm, (1 + w) norms,
+        GeGLU, output norms) with random weights through the engine (kernels off and on) at K = 0 and every K,
+        and transformers' Gemma3ForCausalLM with random weights (bf16; default and static cache), a 128-token
+        prompt and 256 new tokens: the engine's K = 0 against transformers' decoding.
 """
 
 from __future__ import annotations
@@ -47,6 +59,27 @@ SHAPES = {
                            head_dim=128, intermediate_size=14336, rope_theta=500000.0),
 }
 DRAFT_VOCAB = 8192
+ASSISTANT_LAYERS = 4
+NEW_TOKENS = 256
+
+# Gemma 3 270M's config.json (text part) as transformers 4.57 writes it: the real layers, not only the shapes.
+GEMMA3_270M = {"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
+               "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+               "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+               "sliding_window": 512, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+               "max_position_embeddings": 32768, "tie_word_embeddings": True,
+               "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]}
+
+
+def gemma3_layers() -> dict:
+    """TargetConfig fields of GEMMA3_270M, read by the same code that reads a real checkpoint's config."""
+    from models.hf import target_config_from_hf
+
+    cfg = target_config_from_hf(GEMMA3_270M, "GEMMA3_270M", max_seq_len=2048)
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("max_seq_len", "tap_layers")}
+
+
+SHAPES["gemma3_270m_layers"] = gemma3_layers()
 
 
 def random_speculator(shape: dict, max_seq_len: int, seed: int = 0) -> Speculator:
@@ -176,6 +209,180 @@ def print_shape(name: str, row: dict, taus: dict) -> None:
               f"{ratio:12.2f} {(tau or 0):5.2f} {pred}")
 
 
+# --- preset and gemma: the engine against transformers ------------------------------------------------------
+def wall(fn):
+    """(fn(), seconds) with the device idle before and after."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def hf_kwargs(model) -> dict:
+    """Greedy to the token budget, as the engine here runs: the end token is an id past the vocabulary (None
+    breaks prompt lookup in transformers 4.57, and a minimum length is refused by assisted generation)."""
+    return dict(do_sample=False, eos_token_id=model.config.vocab_size, pad_token_id=0)
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, **kw) -> dict:
+    """transformers' generate on each prompt (one warm-up first): tokens/s over the whole generation."""
+    run = lambda ids: model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=new_tokens,  # noqa: E731
+                                     **hf_kwargs(model), **kw)[0, len(ids):].tolist()
+    _, warm_s = wall(lambda: run(prompts[0]))
+    outs, secs = [], 0.0
+    for ids in prompts:
+        out, s = wall(lambda: run(ids))
+        outs.append(out)
+        secs += s
+    return {"tokens_per_s": sum(len(o) for o in outs) / secs, "first_call_s": warm_s, "outputs": outs}
+
+
+def engine_generate(engine, prompts: list[list[int]], chain: int, new_tokens: int) -> dict:
+    """The engine at chain K on each prompt (a short warm-up first): tokens/s over the whole generation, the
+    decode-only rate, tau."""
+    generate(engine, prompts[0], chain=chain, max_new_tokens=16)  # warm
+    outs, secs, decode_tokens, decode_ms, rounds, emitted = [], 0.0, 0, 0.0, 0, 0
+    for ids in prompts:
+        r, s = wall(lambda: generate(engine, ids, chain=chain, max_new_tokens=new_tokens))
+        outs.append(r.output_ids)
+        secs += s
+        decode_tokens, decode_ms = decode_tokens + r.decode_tokens, decode_ms + r.decode_ms
+        rounds, emitted = rounds + r.rounds, emitted + sum(r.emitted)
+    return {"tokens_per_s": sum(len(o) for o in outs) / secs, "decode_tokens_per_s": decode_tokens / decode_ms * 1e3,
+            "tau": emitted / rounds if rounds else 1.0, "outputs": outs}
+
+
+def hf_llama(target: Transformer, n_layers: int | None = None):
+    """Our Llama-family target as transformers' LlamaForCausalLM with the same weights (the first n_layers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.hf import hf_weight_names
+
+    c = dataclasses.replace(target.cfg, n_layers=n_layers or target.cfg.n_layers, tap_layers=None)
+    rope = ({"rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}}
+            if "rope_parameters" in LlamaConfig().to_dict() else {"rope_theta": c.rope_theta})
+    hf_cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                         head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.rms_norm_eps,
+                         tie_word_embeddings=c.tie_embeddings, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None, **rope)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(hf_cfg)
+    ours = target.state_dict()
+    missing, _ = hf.load_state_dict({t: ours[o] for t, o in hf_weight_names(c).items()}, strict=False)
+    if set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"transformers' model has weights ours does not fill: {sorted(missing)[:5]}")
+    hf.tie_weights()
+    return hf.to(torch.bfloat16).eval()
+
+
+def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int) -> None:
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from models import load_speculators, load_target
+    from pipeline.artifacts import taps_index
+
+    def artifact(stage):
+        found = [p for p in sorted((Path(store) / stage).iterdir()) if (p / "manifest.json").is_file()]
+        if len(found) != 1:
+            raise SystemExit(f"{store}/{stage}: one artifact expected (the gpu preset's), found {len(found)}")
+        return found[0]
+
+    taps = artifact("taps")
+    index = taps_index(taps)
+    prompts = []
+    for shard in index["shards"]["held_out"]:
+        with safe_open(str(taps / shard), framework="pt") as f:
+            prompts += f.get_tensor("ids")[:, : index["held_out_prompt_len"]].tolist()
+    prompts = prompts[:n_prompts]
+    target = load_target(artifact("target"))
+    spec = Speculator(target, load_speculators(artifact("draft"), target))
+    out.update({"n_prompts": len(prompts), "hf_prompts": hf_prompts, "prompt_len": len(prompts[0]),
+                "new_tokens": NEW_TOKENS, "engine": {}, "transformers": {}})
+    hf = hf_llama(target)  # before the engine moves the target to the GPU in bf16
+    small = hf_llama(target, ASSISTANT_LAYERS)
+    for mode in ("plain", "exact"):  # decode at T = 1 / every target call at max_m rows (bit-exact across K)
+        engine = CudaEngine(spec, device="cuda", exact=mode == "exact", **WINDOWS)
+        rows = out["engine"][mode] = {}
+        for k in range(MAX_M):
+            rows[k] = engine_generate(engine, prompts, k, NEW_TOKENS)
+            rows[k]["equal_to_k0"] = [a == b for a, b in zip(rows[k]["outputs"], rows[0]["outputs"])]
+            print(f"preset engine {mode} K={k}: {rows[k]['tokens_per_s']:.0f} tokens/s, tau {rows[k]['tau']:.2f}, "
+                  f"equal to K=0 on {sum(rows[k]['equal_to_k0'])} of {len(prompts)}", flush=True)
+            save()
+        del engine
+    sub, base = prompts[:hf_prompts], out["engine"]["plain"][0]["outputs"][:hf_prompts]
+
+    def peer(name, model, **kw):
+        row = out["transformers"][name] = hf_generate(model, sub, NEW_TOKENS, **kw)
+        # bf16 on other kernels: how long the outputs agree with the engine's greedy
+        row["agree_tokens"] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                               for x, y in zip(row["outputs"], base)]
+        print(f"preset transformers {name}: {row['tokens_per_s']:.0f} tokens/s (first call {row['first_call_s']:.0f} s)",
+              flush=True)
+        save()
+
+    peer("greedy", hf)
+    peer("prompt_lookup_4", hf, prompt_lookup_num_tokens=4)
+    peer(f"assisted_{ASSISTANT_LAYERS}_layers", hf, assistant_model=small)
+    hf.generation_config.cache_implementation = "static"
+    hf.generation_config.disable_compile = True  # the documented recipe below compiles instead
+    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    peer("static_compiled", hf)
+
+
+def gemma(out: dict, save, context: int = 128) -> None:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    out.update({"context": context, "new_tokens": NEW_TOKENS, "engine": {}, "transformers": {}})
+    ids = [prompt(context, GEMMA3_270M["vocab_size"], s) for s in range(2)]
+    for kernels in (False, True):
+        spec = random_speculator(SHAPES["gemma3_270m_layers"], max_seq_len=context + NEW_TOKENS + 2 * MAX_M)
+        engine = CudaEngine(spec, device="cuda", kernels=kernels, **WINDOWS)
+        rows = out["engine"]["kernels" if kernels else "dense"] = {}
+        for k in (0, 3, 5, 7):
+            rows[k] = engine_generate(engine, ids, k, NEW_TOKENS)
+            print(f"gemma engine {'kernels' if kernels else 'dense'} K={k}: {rows[k]['tokens_per_s']:.0f} tokens/s",
+                  flush=True)
+            save()
+        del engine, spec
+        torch.cuda.empty_cache()
+    cfg = Gemma3TextConfig(**{k: v for k, v in GEMMA3_270M.items() if k != "model_type"})
+    with torch.device("cuda"):
+        hf = Gemma3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    for name in ("default_cache", "static_cache"):
+        hf.generation_config.cache_implementation = "static" if name == "static_cache" else None
+        row = out["transformers"][name] = hf_generate(hf, ids, NEW_TOKENS)
+        row["compiled"] = hasattr(hf, "_compiled_call")  # transformers compiles a static cache's forward itself
+        print(f"gemma transformers {name}: {row['tokens_per_s']:.0f} tokens/s (first call {row['first_call_s']:.0f} s)",
+              flush=True)
+        save()
+
+
+def print_peers(result: dict) -> None:
+    for name in ("preset", "gemma"):
+        if name not in result:
+            continue
+        r = result[name]
+        engines = {f"engine {kind} K={k}": v for kind, rows in r["engine"].items() for k, v in rows.items()}
+        first = next(iter(r["engine"].values()), {})  # the preset's plain engine, Gemma's dense one
+        base = first.get("0")
+        print(f"\n{name}: tokens/s over whole generations ({r['new_tokens']} new tokens), side by side")
+        print(f"{'system':>34} {'tokens/s':>9} {'decode tok/s':>12} {'tau':>5} {'x K=0':>6} {'= K=0':>6}")
+        for label, row in engines.items():
+            x = row["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+            eq = row.get("equal_to_k0")
+            print(f"{label:>34} {row['tokens_per_s']:9.0f} {row['decode_tokens_per_s']:12.0f} {row['tau']:5.2f} "
+                  f"{x:6.2f} {f'{sum(eq)}/{len(eq)}' if eq else '':>6}")
+        for label, row in r["transformers"].items():
+            x = row["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+            print(f"{'transformers ' + label:>34} {row['tokens_per_s']:9.0f} {'':>12} {'':>5} {x:6.2f}"
+                  f"  (first call {row['first_call_s']:.0f} s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="check,shapes")
@@ -185,11 +392,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--shapes", default=None, help="comma-separated names of SHAPES (default: all)")
+    ap.add_argument("--store", default=None, help="preset: the store a +experiment=gpu pipeline left")
+    ap.add_argument("--prompts", type=int, default=16, help="preset: held-out prompts for the engine")
+    ap.add_argument("--hf-prompts", type=int, default=4, help="preset: of those, the ones transformers runs")
     args = ap.parse_args()
     taus = json.load(open(args.tau)) if args.tau else {}
     if args.saved:
-        for name, row in json.load(open(args.saved))["shapes"].items():
+        saved = json.load(open(args.saved))
+        for name, row in saved.get("shapes", {}).items():
             print_shape(name, row, taus)
+        print_peers(saved)
         return
     if not args.out:
         ap.error("--out is needed to measure (or --from to print a saved run)")
@@ -208,8 +420,16 @@ def main() -> None:
             result["shapes"][name] = row
             torch.cuda.empty_cache()
             print_shape(name, row, taus)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    def save():  # after every measurement, so that a run cut off by its time limit still reports
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if "preset" in only:
+        preset(result.setdefault("preset", {}), save, args.store, args.prompts, args.hf_prompts)
+    if "gemma" in only:
+        gemma(result.setdefault("gemma", {}), save)
+    save()
+    print_peers(json.loads(json.dumps(result)))  # the keys as a saved file has them
 
 
 if __name__ == "__main__":

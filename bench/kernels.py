@@ -156,10 +156,12 @@ def measure_bandwidth() -> dict:
 
 def to_tinygemm(packed, scale_zero, group):
     """Our (packed, scale_zero) -> torch's tinygemm (int4pack, scales_and_zeros). Its packing takes even k in
-    the high nibble; it dequantises w = (q - 8) * scale + zero_f, so zero_f = (8 - zero) * scale."""
+    the high nibble; it dequantises w = (q - 8) * scale + zero_f, so zero_f = (8 - zero) * scale. Its inner k tiles
+    (8 where K allows) must divide K / 16: SmolLM2's K = 576 takes 4."""
     q = G.unpack_int4(packed).to(torch.int32)
     u8 = (q[:, 0::2] << 4) | q[:, 1::2]
-    w = torch.ops.aten._convert_weight_to_int4pack(u8.to(torch.uint8).contiguous(), 8)
+    inner = next(t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0)
+    w = torch.ops.aten._convert_weight_to_int4pack(u8.to(torch.uint8).contiguous(), inner)
     s, zero = scale_zero.float().unbind(-1)
     sz = torch.stack((s, (8 - zero) * s), dim=-1).to(torch.bfloat16).contiguous()  # [K/g, N, 2]
     return w, sz
@@ -326,15 +328,15 @@ def gemm_operands(K, N, group, copies):
     return ws
 
 
-def gemm_path(K, N) -> list:
+def gemm_path(K, N, group: int = 128) -> list:
     """Which kernel `int4_mm` runs for the shape here (at M <= 8), its launch config, and for the Gluon path
     whether it triggers the next kernel's launch at its start."""
     probe = torch.empty(1, device="cuda")
-    gluon = int4_gluon.pick(K, N, 128, probe.device) if int4_gluon.usable(probe) else None
+    gluon = int4_gluon.pick(K, N, group, probe.device) if int4_gluon.usable(probe) else None
     if gluon:
         trigger = int4_launch.USE_PDL and int4_gluon.triggers(N, gluon[0], probe.device)
         return ["gluon", *gluon] + ["trigger"] * trigger
-    return ["triton", *G.pick_config(N, K, 128)]
+    return ["triton", *G.pick_config(N, K, group)]
 
 
 def int4_mm_alone(x, packed, scale_zero, group):
@@ -544,6 +546,59 @@ def section_gemm(report: Report):
         torch.cuda.empty_cache()
         report["gemm"] = rows
         report.save()
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+# (model, linear, K, N) as kernels.transform builds them (q|k|v and gate|up fused), at the group it picks
+DISPATCH_SHAPES = [
+    ("smollm2_135m", "qkv", 576, 960), ("smollm2_135m", "o", 576, 576), ("smollm2_135m", "gate_up", 576, 3072),
+    ("smollm2_135m", "down", 1536, 576), ("smollm2_135m", "lm_head", 576, 49152),
+    ("gemma3_270m", "qkv", 640, 1536), ("gemma3_270m", "o", 1024, 640), ("gemma3_270m", "gate_up", 640, 4096),
+    ("gemma3_270m", "down", 2048, 640), ("gemma3_270m", "lm_head", 640, 262144),
+    ("gpu_preset", "qkv", 1024, 1536), ("gpu_preset", "o", 1024, 1024), ("gpu_preset", "gate_up", 1024, 5632),
+    ("gpu_preset", "down", 2816, 1024), ("gpu_preset", "lm_head", 1024, 8192),
+    ("llama3_8b", "qkv", 4096, 6144), ("llama3_8b", "o", 4096, 4096), ("llama3_8b", "gate_up", 4096, 28672),
+    ("llama3_8b", "down", 14336, 4096), ("llama3_8b", "lm_head", 4096, 128256),
+    ("square", "2048x4096", 2048, 4096), ("square", "2048x8192", 2048, 8192), ("square", "3072x8192", 3072, 8192),
+]
+
+
+def section_dispatch(report: Report):
+    """Ours against torch's int4 GEMM (same weights, same group) and bf16 cuBLAS at M = 1..8 on every linear of
+    the supported targets, at the group kernels.transform gives the shape: which path a dispatch rule should take."""
+    rows = []
+    for model, name, K, N in DISPATCH_SHAPES:
+        try:
+            rows += dispatch_rows(model, name, K, N)
+        except Exception:  # one shape a peer refuses leaves the others measured
+            report.setdefault("errors", {})[f"dispatch {model} {name}"] = traceback.format_exc()[-1500:]
+            log(f"dispatch {model} {name} {K}x{N} FAILED:\n{traceback.format_exc()[-1500:]}")
+        torch.cuda.empty_cache()
+        report["dispatch"] = rows
+        report.save()
+
+
+def dispatch_rows(model: str, name: str, K: int, N: int) -> list[dict]:
+    """One shape at M = 1..8, at the group kernels.transform gives it (128 where K allows, else 32)."""
+    rows = []
+    group = 128 if K % 128 == 0 else 32
+    copies = copies_for(N * K / 2)
+    ops = gemm_operands(K, N, group, copies)
+    tg = [to_tinygemm(*o, group) for o in ops]
+    nb = copies_for(N * K * 2)
+    wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
+    path = gemm_path(K, N, group)
+    for M in MS:
+        xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(max(copies, nb))]
+        ours = time_calls([lambda i=i: G.int4_mm(xs[i], *ops[i], group) for i in range(copies)])
+        peer = time_calls([lambda i=i: tinygemm_mm(xs[i], *tg[i], group) for i in range(copies)])
+        dense = time_calls([lambda i=i: F.linear(xs[i], wb[i]) for i in range(nb)])
+        rows.append(dict(model=model, linear=name, K=K, N=N, M=M, group=group, ours_us=ours, torch_int4_us=peer,
+                         bf16_us=dense, config=path))
+    log(f"dispatch {model} {name} {K}x{N} g{group}: ours " + " ".join(f"{r['ours_us']:.1f}" for r in rows)
+        + " | torch-int4 " + " ".join(f"{r['torch_int4_us']:.1f}" for r in rows))
+    return rows
 
 
 # ----------------------------------------------------------------------------- sdpa
@@ -809,6 +864,14 @@ def print_tables(report: Report):
             log(f"{r['K']:>6}x{r['N']:<6} {r['M']:>2} {r['ours_us']:7.1f} {r['ours_alone_us']:7.1f} "
                 f"{r['torch_int4_us']:7.1f} {r['bf16_us']:7.1f} {r['floor_us']:6.1f} {r['floor_frac']:5.2f} "
                 f"{r['read_us']:6.1f} {r['read_overlap_us']:12.1f} {r['read_dep_us']:8.1f} {fracs:>22}")
+    if "dispatch" in report:
+        log("\nDispatch (us at M = 1..8: ours / torch int4; * where torch int4 is faster by > 3%)")
+        rows = report["dispatch"]
+        for i in range(0, len(rows), len(MS)):
+            r0 = rows[i]
+            cells = " ".join(f"{r['ours_us']:5.1f}/{r['torch_int4_us']:5.1f}{'*' if r['torch_int4_us'] < 0.97 * r['ours_us'] else ' '}"
+                             for r in rows[i:i + len(MS)])
+            log(f"{r0['model']:>12} {r0['linear']:>9} {r0['K']:>5}x{r0['N']:<6} g{r0['group']:<3} {cells}")
     if "sdpa" in report:
         log("\nSDPA (us; Hq 32, Hkv 8, D 128)")
         log(f"{'L':>7} {'M':>2} {'ours':>7} {'torch':>8} {'floor':>6} {'frac':>5} {'speedup':>7}")
@@ -827,7 +890,7 @@ def print_tables(report: Report):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_kernels.json", help="the JSON file, rewritten after every section")
-    ap.add_argument("--only", default="check,gemm,sdpa,model", help="sections: check, gemm, sdpa, model, profile")
+    ap.add_argument("--only", default="check,gemm,sdpa,model", help="sections: check, gemm, dispatch, sdpa, model, profile")
     ap.add_argument("--tune", action="store_true", help="tune the launch configurations first (and install them)")
     ap.add_argument("--tune-sdpa", action="store_true", help="with --tune: SDPA's as well")
     args = ap.parse_args()
@@ -842,7 +905,7 @@ def main():
     sections = args.only.split(",")
     plan = [("check", section_check)] * ("check" in sections) + \
         [("tune", lambda r: section_tune(r, sdpa=args.tune_sdpa))] * args.tune + \
-        [(n, f) for n, f in (("gemm", section_gemm), ("sdpa", section_sdpa), ("model", section_model),
+        [(n, f) for n, f in (("gemm", section_gemm), ("dispatch", section_dispatch), ("sdpa", section_sdpa), ("model", section_model),
                               ("profile", section_profile))
          if n in sections]
     for name, fn in plan:

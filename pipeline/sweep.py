@@ -88,10 +88,11 @@ def summarize(results: list[dict], sweep_dir: Path) -> dict:
     parts, metrics = [], {"failed_jobs": len(failed)}
     if rows:
         best = max(rows, key=lambda r: r["speedup"])
-        shas = sorted({str(r.get("pte_sha256")) for r in rows})
+        shas = sorted({str(r["pte_sha256"]) for r in rows if r.get("pte_sha256")})  # none on the CUDA engine
         parts += [table(rows), "",
                   f"best K = {best['chain']}: {best['tokens_per_s']:.1f} tokens/s, speedup {best['speedup']:.2f}x, "
-                  f"tau {best['tau']:.2f} (job {best['job']}: {best['overrides']})", f".pte sha256: {', '.join(shas)}"]
+                  f"tau {best['tau']:.2f} (job {best['job']}: {best['overrides']})"]
+        parts += [f".pte sha256: {', '.join(shas)}"] if shas else []
         metrics.update({"best_chain": best["chain"], "best_tokens_per_s": best["tokens_per_s"],
                         "best_speedup": best["speedup"], "best_tau": best["tau"]})
     if failed:

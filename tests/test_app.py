@@ -45,6 +45,19 @@ def test_smoke_preset_shrinks_and_composes_with_other_choices(tmp_path):
     assert mixed.target.kind == "hf" and mixed.target.max_seq_len == 128 and mixed.data.kind == "text"
 
 
+def test_gpu_preset_fits_its_own_windows_and_passes_validation():
+    from pipeline.validate import check_config
+
+    gpu = compose_cfg("+experiment=gpu")
+    check_config(gpu)
+    assert gpu.target.model.n_layers > compose_cfg().target.model.n_layers
+    # the held-out taps mirror the eval's prompts, and both fit the target's cache
+    assert gpu.taps.held_out_seq_len == gpu.runtime.prompt_len + gpu.runtime.max_new_tokens
+    assert gpu.taps.held_out_prompt_len == gpu.runtime.prompt_len
+    assert max(gpu.taps.held_out_seq_len, gpu.target.train.seq_len) <= gpu.target.max_seq_len
+    assert gpu.draft.draft_vocab_size >= gpu.target.tokenizer.vocab_size
+
+
 def test_same_config_gives_the_same_keys():
     assert plan_keys(compose_cfg(), stage_modules()) == plan_keys(compose_cfg(), stage_modules())
 

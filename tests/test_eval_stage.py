@@ -98,6 +98,11 @@ def test_sweep_summary_table_plot_best_k_and_failed_jobs(tmp_path):
     text = (tmp_path / "summary.md").read_text()
     assert "best K = 2" in text and "job 3 (runtime.chain=9): failed: ConfigError: runtime.chain=9: an int in [0, 7] more" in text
     assert (tmp_path / "summary.png").stat().st_size > 1000
+    assert ".pte sha256: abc" in text
+    for child in children[:3]:  # the CUDA engine reads no .pte: the summary names none
+        child["stages"]["eval"]["report"]["pte_sha256"] = ""
+    sweep.summarize(children, tmp_path)
+    assert ".pte sha256" not in (tmp_path / "summary.md").read_text()
 
 
 def test_a_sweep_summary_is_written_when_every_job_failed(tmp_path):
