@@ -157,6 +157,7 @@ def check_config(cfg: DictConfig) -> None:
 
         if not torch.cuda.is_available():
             c.fail(f"{rt}.engine", "cuda", "pte or eager on a machine where torch sees no CUDA device")
+    c.choice(f"{rt}.exact", (True, False))
     c.number_in(f"{rt}.temperature", 0.0)
     c.int_in(f"{rt}.max_new_tokens", 1)
     c.int_in(f"{rt}.seed", 0)

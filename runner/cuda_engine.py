@@ -25,6 +25,16 @@ baseline, is a graph of the same kind around target_decode, so speedups compare 
 instead of a+1 is what keeps the graph static: the rows past a sit at draft positions the next round's chain
 overwrites before its causal mask could show them. Sampling and the adaptive policy use the per-call path.
 
+Exact (`exact=True`): in bf16 a row's logits depend on the width of the call it is in, because the GEMM and
+attention kernels are chosen by the number of rows and round differently; on a trained model a near tie then
+takes the other token, and a K>0 output leaves the K=0 one (measured on the `gpu` preset: one prompt of three at
+token 216). With exact, every target call, decode included, runs target_verify at the one width max_m: the
+call's rows, then copies of its last token at the next positions. Each row's arithmetic is then the same in
+every call, so every K gives K=0's tokens bit for bit. The padding rows write cache slots past the call's last
+position, which a later call rewrites before any query can see them; the engine reports max_m - 1 fewer
+positions (`meta["max_seq_len"]`) so that they stay inside the cache. The price is K=0's decode at width max_m
+(and its taps). exact=False decodes at T = 1 and verifies at T = K+1.
+
 The draft's cache-gap guard reads positions on the host, which a graph cannot do: it is off here, and the
 loop's own bookkeeping (runner.generate) keeps writes contiguous.
 
@@ -81,21 +91,41 @@ class _Call:
         return (ids, *self.out[1:])
 
 
+def fixed_width(spec: Speculator, width: int):
+    """(target_decode, target_verify) of spec that run every call at `width` rows (module doc, "Exact")."""
+
+    def verify(tokens: torch.Tensor, input_pos: torch.Tensor):
+        T, n = tokens.shape[-1], width - tokens.shape[-1]
+        if n:
+            tokens = torch.cat((tokens, tokens[:, -1:].expand(1, n)), dim=1)
+            input_pos = torch.cat((input_pos, input_pos[-1:] + torch.arange(1, n + 1, device=input_pos.device)))
+        ids, feature, logits = spec.target_verify(tokens, input_pos)
+        return ids[:, :T], feature[:, :T], logits[:, :T]
+
+    def decode(tokens: torch.Tensor, input_pos: torch.Tensor):
+        ids, _, logits = verify(tokens, input_pos)
+        return ids, logits
+
+    return decode, verify
+
+
 class _Round(_Call):
     """One greedy round at chain k, all on the device (module doc, "Rounds"). Input: the anchor and P; state
     kept on the device between rounds: the next first proposal and its g; output (to pinned host memory,
     inside the graph): [a, vids[0], ..., vids[k]], so new = vids[:a+1]."""
 
-    def __init__(self, spec: Speculator, k: int, state: dict, device: torch.device, dtype: torch.dtype):
+    def __init__(self, spec: Speculator, k: int, state: dict, device: torch.device, dtype: torch.dtype,
+                 target_decode, target_verify):
         super().__init__(None, 1, None, device, dtype)
         self.spec, self.k, self.state = spec, k, state
+        self.target_decode, self.target_verify = target_decode, target_verify
         self.host_out = torch.zeros(k + 2, dtype=torch.long, pin_memory=device.type == "cuda")
 
     def _forward(self):
         spec, k, state = self.spec, self.k, self.state
         anchor, P = self.dev_in[0:1].view(1, 1), self.dev_in[1]
         if k == 0:  # the baseline's step, with the same launch and synchronisation as a round
-            ids, _ = spec.target_decode(anchor, P.view(1))
+            ids, _ = self.target_decode(anchor, P.view(1))
             self.host_out.copy_(torch.cat((torch.zeros_like(ids[0]), ids[0])), non_blocking=True)
             return ()
         tok, g = state["next_id"], state["g"]
@@ -105,7 +135,7 @@ class _Round(_Call):
             props.append(ids)
         props = torch.cat(props, dim=1)  # [1, k]
         pos = P + torch.arange(k + 1, device=P.device)
-        vids, fv, _ = spec.target_verify(torch.cat((anchor, props), dim=1), pos)
+        vids, fv, _ = self.target_verify(torch.cat((anchor, props), dim=1), pos)
         a = (props == vids[:, :k]).long().cumprod(dim=1).sum(dim=1)  # [1]: the leading run of matches
         # reseed with all k+1 rows: rows <= a are the confirmed ones; the rows past a sit at positions the next
         # round's chain overwrites before its causal mask could show them
@@ -129,7 +159,8 @@ class CudaEngine:
 
     def __init__(self, speculator: Speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                  min_prefill_chunk: int = 1, device: str | torch.device = "cuda", dtype: str = "bfloat16",
-                 kernels: bool = False, group: int = 128, graphs: bool = True, manifest_hash: str = ""):
+                 kernels: bool = False, group: int = 128, graphs: bool = True, exact: bool = False,
+                 manifest_hash: str = ""):
         from kernels.rule import check_max_m
 
         if dtype not in DTYPES:
@@ -152,13 +183,17 @@ class CudaEngine:
         self.meta = speculator_meta(spec, max_m=max_m, default_chain=default_chain,
                                     max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,
                                     manifest_hash=manifest_hash)
+        self.exact = exact
+        decode, verify = fixed_width(spec, max_m) if exact else (spec.target_decode, spec.target_verify)
+        if exact:
+            self.meta["max_seq_len"] -= max_m - 1  # the padding rows' slots
         H = spec.draft.cfg.hidden_size
-        self.decode = _Call(spec.target_decode, 1, None, self.device, self.dtype)
-        self.verify = {T: _Call(spec.target_verify, T, None, self.device, self.dtype) for T in range(2, max_m + 1)}
+        self.decode = _Call(decode, 1, None, self.device, self.dtype)
+        self.verify = {T: _Call(verify, T, None, self.device, self.dtype) for T in range(2, max_m + 1)}
         self.draft = {T: _Call(spec.draft_decode, T, H, self.device, self.dtype) for T in range(1, max_m + 1)}
         self.state = {"next_id": torch.zeros(1, 1, dtype=torch.long, device=self.device),
                       "g": torch.zeros(1, 1, H, device=self.device, dtype=self.dtype)}
-        self.rounds = {k: _Round(spec, k, self.state, self.device, self.dtype) for k in range(0, max_m)}
+        self.rounds = {k: _Round(spec, k, self.state, self.device, self.dtype, decode, verify) for k in range(0, max_m)}
         self.graphs = graphs
         with torch.no_grad():
             if graphs:

@@ -85,6 +85,38 @@ def test_every_chain_is_lossless_against_its_own_greedy():
             assert generate(engine, prompt, chain=k, max_new_tokens=40).output_ids == base
 
 
+def test_exact_runs_every_target_call_at_max_m_rows_and_a_row_the_same_at_every_width():
+    """bf16: every target call after the prefill runs max_m rows (the call's own, then padding), so a row's
+    logits are bit-equal whether it is decoded alone or verified among other rows."""
+    engine = CudaEngine(speculator(2), device="cpu", dtype="bfloat16", graphs=False, exact=True, **WINDOWS)
+    widths = []
+    engine.spec.target.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[-1]))
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 256, (11,), generator=g).tolist()
+
+    def first_row_logits(rows: list[int]) -> torch.Tensor:
+        engine.reset()
+        engine.prefill(torch.tensor([prompt]), torch.arange(len(prompt)))
+        tokens, pos = torch.tensor([rows]), len(prompt) + torch.arange(len(rows))
+        out = engine.target_decode(tokens, pos) if len(rows) == 1 else engine.target_verify(tokens, pos)
+        return out[-1][0, 0].float().clone()
+
+    alone = first_row_logits([7])
+    for T in range(2, WINDOWS["max_m"] + 1):
+        assert torch.equal(first_row_logits([7, *torch.randint(3, 256, (T - 1,), generator=g).tolist()]), alone)
+    assert widths == [len(prompt), WINDOWS["max_m"]] * WINDOWS["max_m"]
+    assert engine.meta["max_seq_len"] == 96 - (WINDOWS["max_m"] - 1)  # the padding rows' slots stay inside
+
+
+def test_exact_rounds_are_lossless_up_to_a_full_cache():
+    engine = CudaEngine(speculator(4), device="cpu", dtype="bfloat16", graphs=False, exact=True, **WINDOWS)
+    for prompt in prompts(3, seed=9):
+        base = generate(engine, prompt, chain=0, max_new_tokens=200)
+        assert base.stop_reason == "cache_full"
+        for k in range(1, WINDOWS["max_m"]):
+            assert generate(engine, prompt, chain=k, max_new_tokens=200).output_ids == base.output_ids
+
+
 def test_a_window_outside_the_captured_range_is_refused_naming_it():
     engine = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, **WINDOWS)
     with pytest.raises(ValueError, match=r"target_verify takes T in \[2, 5\].*T=6"):
@@ -108,8 +140,9 @@ def test_bad_settings_are_refused_before_any_work():
 
 @cuda
 @pytest.mark.parametrize("kernels", [False, True])
-def test_graph_replays_are_lossless_at_every_chain(kernels):
-    engine = CudaEngine(speculator(5), device="cuda", kernels=kernels, **WINDOWS)
+@pytest.mark.parametrize("exact", [False, True])
+def test_graph_replays_are_lossless_at_every_chain(kernels, exact):
+    engine = CudaEngine(speculator(5), device="cuda", kernels=kernels, exact=exact, **WINDOWS)
     for prompt in prompts(3, seed=11):
         base = generate(engine, prompt, chain=0, max_new_tokens=48).output_ids
         for k in range(1, WINDOWS["max_m"]):

@@ -33,6 +33,7 @@ def test_the_default_and_smoke_configs_pass():
     ("runtime.n_prompts=0", "runtime.n_prompts=0"),
     ("runtime.policy=greedy", "runtime.policy='greedy': one of static, adaptive"),
     ("runtime.engine=gpu", "runtime.engine='gpu': one of pte, eager, cuda"),
+    ("runtime.exact=maybe", "runtime.exact='maybe': one of True, False"),
     ("runtime.prompts=/no/such/prompts.txt", "runtime.prompts='/no/such/prompts.txt': an existing file"),
     ("export.max_m=1", "export.max_m=1: an int in [2, inf]"),
     ("export.max_m=17 export.max_prefill_chunk=32", "export.max_m=17: the small-M kernels take at most 16 rows"),

@@ -80,7 +80,8 @@ def load_engine(cfg: DictConfig, upstream: dict):
         from runner.cuda_engine import CudaEngine
 
         return CudaEngine(speculator, **windows(cfg.export), device=cfg.runtime.get("device") or "cuda",
-                          kernels=cfg.export.get("quant") == "int4", group=CUDA_GROUP)
+                          kernels=cfg.export.get("quant") == "int4", group=CUDA_GROUP,
+                          exact=bool(cfg.runtime.get("exact", True)))
     pte = PteEngine(pte_path(upstream["export"]), verified=True)
     m = pte.meta  # the same windows as the exported program
     return EagerEngine(speculator, max_m=m["max_m"], default_chain=m["default_chain"],
