@@ -58,6 +58,17 @@ def test_gpu_preset_fits_its_own_windows_and_passes_validation():
     assert gpu.draft.draft_vocab_size >= gpu.target.tokenizer.vocab_size
 
 
+def test_the_readmes_slurm_example_names_keys_of_the_submitit_launcher():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["hydra/launcher=submitit_slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    named = set(re.findall(r"hydra\.launcher\.(\w+)=", readme[readme.index("hydra/launcher=submitit_slurm"):]))
+    assert {"partition", "gpus_per_task", "timeout_min"} <= named
+    assert named <= set(launcher), named - set(launcher)
+
+
 def test_same_config_gives_the_same_keys():
     assert plan_keys(compose_cfg(), stage_modules()) == plan_keys(compose_cfg(), stage_modules())
 

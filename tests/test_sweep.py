@@ -1,7 +1,9 @@
-"""The sweep the user runs: `python -m pipeline -m runtime.chain=1,2,4,7 +experiment=smoke`.
+"""The sweep the user runs: `python -m pipeline -m runtime.chain=1,2,4,7 +experiment=smoke`, on Hydra's joblib
+launcher (two jobs at a time, as `hydra/launcher=joblib` runs a sweep on one machine).
 
-One subprocess runs the whole smoke pipeline once (target, taps, draft, export built by the first job, taken
-from the store by the other three) and four evaluations from the one cached .pte. This is the only full
+One subprocess runs the whole smoke pipeline once (target, taps, draft, export built by one job while the job
+beside it waits at the store's lock, then taken from the store by the others) and four evaluations from the one
+cached .pte. This is the only full
 pipeline run of the runner's tests (a few minutes on 2 cores); it checks what the sweep promises: export at
 most once, the same .pte (sha256) and lossless output in every job, one MLflow parent with four children
 carrying the eval metrics, and the summary (table, plot, best K) on the parent.
@@ -28,7 +30,7 @@ def sweep(tmp_path_factory):
     sweep_dir = root / "multirun"
     env = {**os.environ, "PIPELINE_OUTPUTS": str(root / "outputs"), "HYDRA_FULL_ERROR": "1"}
     cmd = [sys.executable, "-m", "pipeline", "-m", f"runtime.chain={','.join(map(str, CHAINS))}", "+experiment=smoke",
-           "threads=1", f"hydra.sweep.dir={sweep_dir}"]
+           "threads=1", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
@@ -37,8 +39,9 @@ def sweep(tmp_path_factory):
 
 def test_the_sweep_exports_once_and_every_job_reads_the_same_lossless_pte(sweep):
     root, sweep_dir, log = sweep
-    assert log.count("running export") == 1, log[-4000:]
-    assert log.count("cached export") == len(CHAINS) - 1
+    job_logs = "".join(p.read_text() for p in sweep_dir.glob("*/pipeline.log"))
+    assert job_logs.count("running export") == 1, job_logs[-4000:]
+    assert job_logs.count("cached export") == len(CHAINS) - 1
     assert len(list((root / "outputs" / "store" / "export").glob("*/model.pte"))) == 1
     metrics = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/metrics.json"))]
     assert sorted(m["chain"] for m in metrics) == list(CHAINS)
