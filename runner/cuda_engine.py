@@ -183,7 +183,6 @@ class CudaEngine:
         self.meta = speculator_meta(spec, max_m=max_m, default_chain=default_chain,
                                     max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,
                                     manifest_hash=manifest_hash)
-        self.exact = exact
         decode, verify = fixed_width(spec, max_m) if exact else (spec.target_decode, spec.target_verify)
         if exact:
             self.meta["max_seq_len"] -= max_m - 1  # the padding rows' slots
