@@ -278,15 +278,16 @@ def hf_llama(target: Transformer, n_layers: int | None = None):
 
 
 def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int) -> None:
-    from pathlib import Path
-
     from safetensors import safe_open
 
     from models import load_speculators, load_target
     from pipeline.artifacts import taps_index
+    from pipeline.store import Store
+
+    built = Store(store)
 
     def artifact(stage):
-        found = [p for p in sorted((Path(store) / stage).iterdir()) if (p / "manifest.json").is_file()]
+        found = [path for s, key, path in built.artifacts() if s == stage and built.exists(s, key)]
         if len(found) != 1:
             raise SystemExit(f"{store}/{stage}: one artifact expected (the gpu preset's), found {len(found)}")
         return found[0]
