@@ -10,6 +10,11 @@ second, naming the key. Every job writes `<job dir>/result.json` (what ran, keys
 read by the multirun summary) and ends by printing where the artifacts, the job directory and the MLflow
 store are. A job of a multirun that fails is recorded as failed and the sweep goes on: the summary lists
 it, the sweep's parent run ends FAILED and the sweep exits with status 1 (pipeline.callbacks).
+
+Under torchrun (`torchrun --nproc-per-node N -m pipeline ...`) every rank composes the same config and
+computes the same keys; rank 0 runs the job as above (the store's lock, the renames, MLflow, result.json) and
+tells the others its plan; they run their share of the stages that have work to share (taps, draft: modules
+with DISTRIBUTED = True) and nothing else (`Job.help`). No key depends on the number of ranks.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline import stages, tracking
+from pipeline import distributed, stages, tracking
 from pipeline.sweep import RESULT_FILE
 from pipeline.store import Artifact, Store, cache_key, git_commit
 from pipeline.validate import ConfigError, check_config
@@ -40,9 +45,16 @@ log = logging.getLogger("pipeline")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 EXIT_BAD_CONFIG = 2
 
+
+
+def job_dir_id() -> str:
+    """The pid, and for a torchrun rank other than 0 `-rank<r>`: each rank is a Hydra job of its own."""
+    return str(os.getpid()) + (f"-rank{distributed.rank()}" if not distributed.is_main() else "")
+
+
 # `${pid:}` in hydra.run.dir / hydra.sweep.dir: two jobs started in the same second get directories of their
 # own. Cached, so a joblib worker (which copies its launcher's resolver cache) resolves the launcher's pid.
-OmegaConf.register_new_resolver("pid", os.getpid, use_cache=True)
+OmegaConf.register_new_resolver("pid", job_dir_id, use_cache=True)
 
 
 def write_result(job_dir: Path, *, job_num: int, overrides: list[str], status: str, error: str | None,
@@ -126,6 +138,11 @@ def needed_stages(cfg: DictConfig, mods: dict[str, ModuleType], keys: dict[str, 
     return needed
 
 
+def shared(mod: ModuleType) -> bool:
+    """Whether every torchrun rank runs a share of this stage (DISTRIBUTED = True), or rank 0 alone."""
+    return bool(getattr(mod, "DISTRIBUTED", False))
+
+
 class Job:
     """One Hydra job: runs the stages, tracks them, records the result."""
 
@@ -140,13 +157,18 @@ class Job:
         self.tracker = tracking.open_tracker(cfg.tracking, cfg.paths.outputs)
         self.results: dict[str, dict] = {}
         self.run_id: str | None = None
+        self._cached_at_start: set[str] = set()
 
     def run(self) -> dict:
-        """Run the stages; returns {stage: Artifact | report}."""
+        """Run the stages; returns {stage: Artifact | report}. Under torchrun, rank 0 runs this job as one
+        process would and the other ranks `help` it (they return {})."""
         names = stages_until(self.cfg)
         mods = {name: stages.load(name, self.cfg.stage_package) for name in names}
         add_fingerprints(self.cfg, mods)
         keys = plan_keys(self.cfg, mods)
+        if not distributed.is_main():
+            self.help(mods, keys)
+            return {}
         commit = git_commit(Path(__file__).parent)
         tracking.close_stale_runs(self.tracker)  # left RUNNING by a job that was killed (SIGKILL) before this one
         parent = tracking.sweep_parent(self.tracker, self.sweep_dir) if self.sweep_dir else None
@@ -160,6 +182,9 @@ class Job:
             with self.tracker.run(name, parent=parent, tags=tags, params=params) as self.run_id:
                 artifacts: dict[str, Artifact] = {}
                 needed = needed_stages(self.cfg, mods, keys, self.store)
+                self._cached_at_start = {n for n in needed if keys[n] is not None and self.store.exists(n, keys[n])}
+                distributed.broadcast({"keys": keys, "needed": sorted(needed), "cached": sorted(self._cached_at_start)},
+                                      "the job's plan")
                 for stage_name, mod in mods.items():
                     if stage_name in needed:
                         artifacts[stage_name] = self._run_stage(stage_name, mod, keys, artifacts, commit)
@@ -173,6 +198,37 @@ class Job:
         finally:
             write_result(self.job_dir, job_num=self.job_num, overrides=self.overrides, status=status, error=error,
                          mlflow_run_id=self.run_id, tracking_note=self.tracker.note(), stage_results=self.results)
+
+    def help(self, mods: dict[str, ModuleType], keys: dict[str, str | None]) -> None:
+        """A rank other than 0: run this rank's share of each stage rank 0 builds that has work to share
+        (a stage module with DISTRIBUTED = True: taps, draft), and nothing else. Rank 0 holds the store's lock,
+        writes the artifact and tracks the job; this rank reads the upstream artifacts rank 0 stored (waiting
+        at their locks), runs `mod.run(cfg, upstream, None)` (no `out`: it writes only into the stage's
+        scratch dir), then waits for the artifact rank 0 renames into the store. Stages with nothing to share
+        (target, export, eval) run on rank 0 only; this rank is done after the last shared one."""
+        r, n = distributed.rank(), distributed.world_size()
+        plan = distributed.broadcast(None, "the job's plan")
+        if plan["keys"] != keys:
+            differ = sorted(k for k in keys if keys[k] != plan["keys"].get(k))
+            raise distributed.RankFailure(f"rank {r} computed other cache keys than rank 0 for {differ}: the ranks "
+                                          "see different configs, code or corpora")
+        for name, mod in mods.items():
+            if keys[name] is None or name not in plan["needed"] or not shared(mod):
+                continue
+            if name in plan["cached"]:
+                log.info("rank %d: %s %s is in the store; nothing to share", r, name, keys[name])
+                continue
+            upstream = {u: self.store.wait_for(u, keys[u]) for u in stages.upstream(mod, self.cfg)}
+            if distributed.broadcast(None, f"whether rank 0 builds {name}") != "build":
+                log.info("rank %d: cached %s %s", r, name, keys[name])
+                continue
+            log.info("rank %d of %d: running its share of %s %s", r, n, name, keys[name])
+            t0 = time.perf_counter()
+            with self.store.helping(name, keys[name]):
+                mod.run(self.cfg, upstream, None)
+            self.store.wait_for(name, keys[name])  # rank 0 stores the artifact; this rank reads it
+            log.info("rank %d: its share of %s done in %.1f s; rank 0 stored it", r, name, time.perf_counter() - t0)
+        log.info("rank %d of %d: done (rank 0 runs the stages that have nothing to share)", r, n)
 
     def _note_unneeded(self, name: str, key: str) -> None:
         """A stage nothing downstream needs loaded (its consumers are cached): report it without loading."""
@@ -196,7 +252,13 @@ class Job:
         stage_tags = {"stage": name, "key": key or "", "git_commit": commit,
                       **{f"upstream.{u}": k for u, k in upstream_keys.items()}}
 
+        announce = key is not None and shared(mod) and name not in self._cached_at_start
+
         def build(out: Path) -> dict:
+            nonlocal announce
+            if announce:  # the other ranks run their share of it now (Job.help)
+                distributed.broadcast("build", f"whether rank 0 builds {name}")
+                announce = False
             log.info("running %s%s", name, f" {key}" if key else "")
             t0 = time.perf_counter()
             with self.tracker.run(name, parent=self.run_id, tags=stage_tags,
@@ -216,6 +278,8 @@ class Job:
         else:
             artifact, cached = self.store.get_or_build(
                 name, key, build, config=subtrees, upstream=upstream_keys, schema_version=mod.SCHEMA_VERSION)
+            if announce:  # another job stored it meanwhile
+                distributed.broadcast("cached", f"whether rank 0 builds {name}")
             out, report, result = artifact.path, artifact.report, artifact
         self.results[name] = {"key": key, "cached": cached, "path": str(out), "report": report}
         self.tracker.log_metrics(self.run_id, tracking.numeric(report, prefix=f"{name}."))
@@ -282,14 +346,22 @@ def main(cfg: DictConfig) -> None:
         if multirun:
             return  # recorded: the sweep summary lists the job as failed
         sys.exit(EXIT_BAD_CONFIG)
-    set_threads(cfg, parallel_jobs(hc) if multirun else 1)
-    job = Job(cfg, job_dir, job_num=job_num, overrides=overrides, sweep_dir=Path(hc.sweep.dir) if multirun else None)
+    # torchrun's ranks on one machine share its cores
+    set_threads(cfg, parallel_jobs(hc) if multirun else distributed.local_world_size())
+    distributed.init(str(cfg.device))
     try:
-        job.run()
-    except Exception:
-        if not multirun:
-            raise
-        # Hydra would re-raise it after the batch, before the sweep summary: record it and go on instead.
-        log.exception("job %d (%s) failed; the sweep goes on", job_num, " ".join(overrides))
-        return
-    print(job.summary())
+        job = Job(cfg, job_dir, job_num=job_num, overrides=overrides,
+                  sweep_dir=Path(hc.sweep.dir) if multirun else None)
+        try:
+            job.run()
+        except Exception as e:
+            distributed.record_error(e)
+            if not multirun:
+                raise
+            # Hydra would re-raise it after the batch, before the sweep summary: record it and go on instead.
+            log.exception("job %d (%s) failed; the sweep goes on", job_num, " ".join(overrides))
+            return
+    finally:
+        distributed.teardown()
+    if distributed.is_main():
+        print(job.summary())

@@ -50,6 +50,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -347,6 +348,39 @@ class Store:
             return Artifact(stage=stage, key=key, path=final, manifest=manifest), False
         finally:
             lock.release()
+
+    @contextlib.contextmanager
+    def helping(self, stage: str, key: str) -> Iterator[None]:
+        """Run another rank's share of a build that rank 0 holds the lock for: `scratch_dir()` is (stage, key)'s
+        scratch directory, as it is inside rank 0's `get_or_build`, and nothing is renamed here."""
+        global _current
+        previous, _current = _current, (self, stage, key)
+        try:
+            yield
+        finally:
+            _current = previous
+
+    def wait_for(self, stage: str, key: str, poll_s: float = 1.0, verify: bool = False) -> Artifact:
+        """The artifact under (stage, key), once some process has stored it: a rank other than 0 reading what
+        rank 0 builds. While a build holds the key's lock this waits at the lock; before one has started it
+        polls. There is no timeout: the process that builds it either stores it or fails, and under torchrun
+        a failed rank ends the whole job. `verify=False` by default: the builder hashed every file a moment
+        ago, and re-hashing gigabytes of taps once per rank would cost minutes."""
+        waited, last_note = 0.0, 0.0
+        while True:
+            found = self.load(stage, key, verify=verify)
+            if found is not None:
+                return found
+            if waited - last_note >= 300 or waited == 0:
+                log.info("waiting for %s %s (another process builds it)", stage, key)
+                last_note = waited
+            self.lock_path(stage, key).parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.monotonic()
+            with self._lock(stage, key):  # returns at once when nobody builds it yet
+                pass
+            if self.load(stage, key, verify=verify) is None:
+                time.sleep(poll_s)
+            waited += time.monotonic() - t0
 
     def _stage_dirs(self) -> list[Path]:
         if not self.root.is_dir():

@@ -39,6 +39,9 @@ degrades instead of failing the job:
   not set it.
 - `tracking.required=true` turns every one of these failures into a `TrackingError` naming the URI.
 
+Under torchrun only rank 0 tracks (the other ranks get a `RankTracker`, which writes nothing), so a job of N
+ranks is one job run with one run per stage, as with one process.
+
 MLflow is imported only when tracking is on (it costs about 1.5 s), with telemetry disabled; a local SQLite
 store never touches the network.
 """
@@ -427,6 +430,13 @@ class DegradedTracker(NullTracker):
         return f"MLflow tracking off for this job ({self.reason})"
 
 
+class RankTracker(NullTracker):
+    """A torchrun rank other than 0: rank 0 tracks the job, so this rank writes nothing to MLflow."""
+
+    def __init__(self, rank: int):
+        self.reason = f"rank {rank} of a torchrun job: rank 0 tracks it"
+
+
 def _param_value(v) -> str:
     s = str(v)
     return s if len(s) <= MAX_PARAM_LEN else s[: MAX_PARAM_LEN - 3] + "..."
@@ -438,6 +448,10 @@ def open_tracker(tracking_cfg: Mapping, outputs: Path) -> Tracker | NullTracker:
     with `required` a TrackingError."""
     if not tracking_cfg.get("enabled", True):
         return NullTracker()
+    from pipeline import distributed
+
+    if not distributed.is_main():  # torchrun: one job, tracked once
+        return RankTracker(distributed.rank())
     uri = tracking_cfg.get("uri") or default_uri(outputs)
     required = bool(tracking_cfg.get("required", False))
     artifact_root = tracking_cfg.get("artifact_root") or Path(outputs) / "mlartifacts"

@@ -25,6 +25,10 @@ steps are measured on the same positions and the leading-run ("chain") acceptanc
 Everything a run depends on is in `TrainConfig` and the step number: the batch of step s comes from a
 permutation seeded by (seed, epoch of s), the learning rate is a pure function of s, so a run resumed from
 `save_checkpoint` (weights, optimizer state, step) continues bit for bit like an uninterrupted one.
+
+Data-parallel (torchrun, `fit`): the batch size is the global batch; N ranks split each step's rows and
+DistributedDataParallel sums their gradients, with each rank's loss normalised by the global batch's slot
+count (`ttt_loss`), so a step's gradient is the global batch's, up to the order of float additions.
 """
 
 from __future__ import annotations
@@ -116,16 +120,25 @@ def ttt_logits(draft: Eagle3Draft, ids: torch.Tensor, taps: torch.Tensor, n_step
 
 
 def ttt_loss(draft: Eagle3Draft, batch: Batch, head: Callable, n_steps: int, decay: float = 0.8,
-             used: torch.Tensor | None = None):
+             used: torch.Tensor | None = None, sum_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             world: int = 1):
     """(total loss, stats) for one batch: total = sum_i decay^i * loss_i (module docstring).
 
     stats: lists over steps i of `loss` (mean soft CE over in-vocab slots), `correct` and `count` (acceptance
     over masked slots, an out-of-vocab target argmax counting as a miss), and `hits` [n_steps, B, S] bool
     for the leading-run acceptance. `used` = draft vocab ids (None when the draft vocab is the whole vocab).
+
+    Data-parallel: `batch` is this rank's slice of the global batch, `sum_ranks` sums a tensor over the
+    `world` ranks. loss_i is then world * (this slice's CE sum) / (the global batch's slot count), so that
+    DistributedDataParallel's mean of the ranks' gradients is the gradient of the global batch's loss_i, and
+    the mean of the ranks' `loss` is the global loss_i: the numbers one rank gets on the whole batch.
     """
     probs, top1, valid, in_vocab = labels(head, batch, draft.t2d, used)
     step_logits = ttt_logits(draft, batch["ids"], batch["taps"], n_steps)
     S = step_logits[0].shape[1]
+    slots = None
+    if sum_ranks is not None:  # counted slots of each step over the global batch
+        slots = sum_ranks(torch.stack([in_vocab[:, i : i + S].sum() for i in range(n_steps)]).float())
     total = step_logits[0].new_zeros((), dtype=torch.float32)
     stats = {"loss": [], "correct": [], "count": [], "hits": []}
     for i, logits in enumerate(step_logits):
@@ -135,7 +148,10 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, head: Callable, n_steps: int, dec
         # soft CE per slot, weighted by in_vocab (cheaper than boolean indexing and its backward)
         ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
         w = iv.to(ce.dtype)
-        loss_i = (ce * w).sum() / w.sum().clamp(min=1.0)
+        if slots is None:
+            loss_i = (ce * w).sum() / w.sum().clamp(min=1.0)
+        else:
+            loss_i = (ce * w).sum() / slots[i].clamp(min=1.0) * world
         total = total + decay**i * loss_i
         with torch.no_grad():
             hit = (draft.to_target(logits.max(-1).indices) == t1) & v  # max(): much faster than argmax on CPU bf16
@@ -206,24 +222,58 @@ def autocast_ctx(device: torch.device, kind: str | None):
     return torch.autocast(device.type, dtype=getattr(torch, kind))
 
 
+class TTTLoss(torch.nn.Module):
+    """ttt_loss as a module's forward, so that DistributedDataParallel can wrap it (DDP synchronises the
+    gradients of what its wrapped module's forward computed). Holds the draft; `head` is the frozen target's."""
+
+    def __init__(self, draft: Eagle3Draft, head: Callable, c: TrainConfig, used: torch.Tensor | None,
+                 sum_ranks: Callable[[torch.Tensor], torch.Tensor] | None, world: int):
+        super().__init__()
+        self.draft = draft
+        self._head, self._c, self._used, self._sum, self._world = head, c, used, sum_ranks, world
+
+    def forward(self, batch: Batch):
+        return ttt_loss(self.draft, batch, self._head, self._c.ttt_steps, self._c.decay, self._used,
+                        self._sum, self._world)
+
+
+def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """`t` summed over the ranks of the default process group (a new tensor)."""
+    import torch.distributed as dist
+
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
 def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, batch: Batch, head: Callable, c: TrainConfig,
-               step: int, used: torch.Tensor | None = None) -> dict:
-    """One optimizer step at learning rate lr_at(step). Returns loss, loss_i, acc_i, lr, grad_norm."""
+               step: int, used: torch.Tensor | None = None, ddp: torch.nn.Module | None = None) -> dict:
+    """One optimizer step at learning rate lr_at(step). Returns loss, loss_i, acc_i, lr, grad_norm.
+
+    `ddp`: a DistributedDataParallel(TTTLoss(draft, ...)) and `batch` this rank's slice of the global batch;
+    the gradients are then the global batch's, and the numbers returned are the global batch's (summed over
+    the ranks), the same on every rank."""
     lr = lr_at(step, c)
     for group in opt.param_groups:
         group["lr"] = lr
     draft.train()
     device = batch["ids"].device
     with autocast_ctx(device, c.autocast):
-        loss, stats = ttt_loss(draft, batch, head, c.ttt_steps, c.decay, used)
+        loss, stats = ttt_loss(draft, batch, head, c.ttt_steps, c.decay, used) if ddp is None else ddp(batch)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], c.grad_clip)
     opt.step()
-    out = {"loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm)}
-    for i in range(c.ttt_steps):
-        out[f"loss_{i}"] = stats["loss"][i]
-        out[f"acc_{i}"] = stats["correct"][i] / max(1, stats["count"][i])
+    N = c.ttt_steps
+    numbers = [float(loss.detach()), *stats["loss"], *stats["correct"], *stats["count"]]
+    if ddp is not None:
+        world = ddp.module._world
+        numbers = sum_over_ranks(torch.tensor(numbers, dtype=torch.float64, device=device)).tolist()
+        numbers[: 1 + N] = [v / world for v in numbers[: 1 + N]]  # each rank's loss is its share times world
+    out = {"loss": numbers[0], "lr": lr, "grad_norm": float(grad_norm)}
+    for i in range(N):
+        out[f"loss_{i}"] = numbers[1 + i]
+        out[f"acc_{i}"] = numbers[1 + N + i] / max(1, numbers[1 + 2 * N + i])
     return out
 
 
@@ -291,12 +341,36 @@ def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None
         log: Callable[[dict, int], None] | None = None, log_every: int = 1, used: torch.Tensor | None = None,
         progress: bool = True) -> dict:
     """Train for c.steps steps (resuming from `checkpoint` if it exists), evaluating every `eval_every` steps
-    (default: once per epoch) and at the end. Returns the last held-out metrics plus run facts."""
+    (default: once per epoch) and at the end. Returns the last held-out metrics plus run facts (`loss`: the
+    last step's training loss).
+
+    In a process group of N ranks (pipeline.distributed) `c.batch_size` stays the global batch: every rank
+    draws the same rows for a step (batch_rows) and trains on its N-th of them (tensor_split) through
+    DistributedDataParallel, so the step's gradient, its learning rate and the rows an epoch visits are
+    those of one rank. Every rank resumes from the same checkpoint, which rank 0 alone writes; only rank 0
+    evaluates the held-out taps (pass held_out=None on the others) and shows progress."""
+    from pipeline import distributed
+
     device = torch.device(device)
     opt = make_optimizer(draft, c)
     start = 0
     if checkpoint is not None and Path(checkpoint).is_file():
         start = load_checkpoint(checkpoint, draft, opt, device)
+    rank, world = distributed.rank(), distributed.world_size()
+    ddp = None
+    if distributed.initialized() and world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        first = distributed.broadcast(start, "the step the draft resumes at")
+        if first != start:
+            raise distributed.RankFailure(f"draft: rank {rank} resumes at step {start}, rank 0 at step {first}: "
+                                          f"the ranks read different checkpoints ({checkpoint})")
+        # DDP broadcasts rank 0's weights and buffers on construction (they are equal already: same seed,
+        # same checkpoint) and averages the gradients of every backward.
+        ddp = DistributedDataParallel(TTTLoss(draft, head, c, used, sum_over_ranks, world),
+                                      device_ids=[device.index] if device.type == "cuda" else None,
+                                      broadcast_buffers=False)
+        progress = progress and distributed.is_main()
     n_rows = train["ids"].shape[0]
     per_epoch = max(1, n_rows // c.batch_size)
     eval_every = eval_every or per_epoch
@@ -307,11 +381,15 @@ def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None
 
     bar = tqdm(range(start, c.steps), initial=start, total=c.steps, desc="draft", mininterval=2.0,
                dynamic_ncols=True, disable=not progress)
-    ema = None
+    ema, m = None, {}
     for step in bar:
-        batch = take(train, batch_rows(step, n_rows, c), device)
-        m = train_step(draft, opt, batch, head, c, step, used)
+        rows = batch_rows(step, n_rows, c)
+        if ddp is not None:
+            rows = rows.tensor_split(world)[rank]
+        batch = take(train, rows, device)
+        m = train_step(draft, opt, batch, head, c, step, used, ddp)
         done = step + 1
+        distributed.fault_point("draft", done)
         ema = m["loss"] if ema is None else 0.9 * ema + 0.1 * m["loss"]
         bar.set_postfix(loss=f"{ema:.3f}", acc0=f"{m['acc_0']:.2f}", held0=f"{held.get('acc_0', float('nan')):.2f}")
         if done % log_every == 0 or done == c.steps:
@@ -319,9 +397,10 @@ def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None
         if held_out is not None and (done % eval_every == 0 or done == c.steps):
             held = evaluate(draft, held_out, head, c, device, used, autocast=c.autocast)
             log({f"held_out_{k}": v for k, v in held.items()} | {"epoch": done / per_epoch}, done)
-        if checkpoint is not None and done < c.steps and time.perf_counter() - last_save > checkpoint_every_s:
+        if checkpoint is not None and done < c.steps and time.perf_counter() - last_save > checkpoint_every_s \
+                and rank == 0:
             save_checkpoint(checkpoint, draft, opt, done)
             last_save = time.perf_counter()
     bar.close()
     return {"held_out": held, "resumed_at": start, "train_seconds": time.perf_counter() - t0,
-            "epochs": c.steps / per_epoch}
+            "epochs": c.steps / per_epoch, "loss": m.get("loss")}

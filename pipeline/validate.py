@@ -129,6 +129,14 @@ def check_config(cfg: DictConfig) -> None:
     c.choice("draft.kind", ("train", "load"))
     if c.get("draft.kind") == "load":
         c.existing("draft.path", directory=True)
+    from pipeline import distributed
+
+    world = distributed.world_size()
+    if c.get("draft.kind") == "train" and world > 1:  # torchrun: each rank trains on its share of the batch
+        bs = c.get("draft.train.batch_size")
+        if _is_int(bs) and bs < world:
+            c.fail("draft.train.batch_size", bs, f"at least the {world} ranks of this torchrun job (it is the "
+                   "global batch, split among them)")
 
     max_m = c.get("export.max_m") if c.int_in("export.max_m", 2) else None
     ints = [c.int_in("export.default_chain", 1), c.int_in("export.max_prefill_chunk", 1),

@@ -19,6 +19,12 @@ from (upstream keys, and `target_key` in the report, which the export stage chec
 `draft=load draft.path=DIR`: a speculators checkpoint, validated against the target (hidden size, vocab,
 tap layers, d2t range and t2d agreement, the frozen embedding); a mismatch fails naming the field.
 
+Under torchrun (pipeline.distributed) `draft=train` runs on every rank with DistributedDataParallel:
+`train.batch_size` is the global batch, each rank trains on its share of the same rows, so N ranks see the
+samples one rank sees at every step (pipeline/train_draft.py, `fit`); rank 0 alone checkpoints, evaluates
+and writes the artifact (the others get `out=None`). The report records `world_size` and `backend`; neither
+enters the key. `draft=load` runs on rank 0 only.
+
 Both report, on the held-out taps, `held_out_acc_i` (i = 0..N-1: top-1 agreement of TTT step i with the
 target; the per-step training metrics are `loss`, `loss_i`, `acc_i`, `lr`) and the draft's prediction of
 what the eval measures at K = N: `predicted_acceptance_pos_i` (acceptance at position i given position i is
@@ -34,7 +40,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import tracking
+from pipeline import distributed, tracking
 from pipeline import train_draft as td
 from pipeline.artifacts import load_taps, taps_index
 from pipeline.store import dir_fingerprint, scratch_dir
@@ -42,6 +48,7 @@ from pipeline.store import dir_fingerprint, scratch_dir
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+DISTRIBUTED = True  # under torchrun every rank runs a share of it (pipeline.app.Job.help)
 UPSTREAM = ("target", "taps")
 CONFIG_KEYS = ("draft", "seed")
 CHECKPOINT = "train_state.pt"
@@ -58,7 +65,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     from models import load_target, save_speculators
 
     dc = cfg.draft
-    device = torch.device(cfg.device)
+    device = distributed.device(cfg.device)
     target_art, taps_art = upstream["target"], upstream["taps"]
     target = load_target(Path(target_art.path)).to(device).eval()
     for p in target.parameters():
@@ -72,6 +79,10 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
 
     if dc.kind == "train":
         draft, report = train(cfg, target, load_taps(taps_art.path, "train"), held_out, tc, device)
+        if out is None:  # a rank other than 0: its share of the training is done, rank 0 stores the draft
+            return {}
+    elif out is None:  # draft=load has nothing to share across ranks
+        return {}
     elif dc.kind == "load":
         draft, report = load(dc, target)
         draft = draft.to(device)
@@ -94,6 +105,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         "predicted_tau": round(held["predicted_tau"], 4),
         "held_out_loss_0": round(held["loss_0"], 4),
         "held_out_slots": held["slots"],
+        **distributed.describe(),  # world_size, backend: how it was trained (not in the key: same samples)
     })
     log.info("draft (%s): held-out acc %s, predicted tau %.2f at K=%d", dc.kind,
              " ".join(f"{held[f'acc_{i}']:.3f}" for i in range(tc.ttt_steps)), held["predicted_tau"], tc.ttt_steps)
@@ -140,9 +152,9 @@ def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.Trai
     draft = draft.to(device)
     used = None if vm.size == V else vm.used.to(device)
 
-    result = td.fit(draft, target.head, train_taps, held_out, tc, device,
+    result = td.fit(draft, target.head, train_taps, held_out if distributed.is_main() else None, tc, device,
                     checkpoint=scratch_dir() / CHECKPOINT, checkpoint_every_s=float(dc.train.checkpoint_every_s),
-                    eval_every=dc.train.get("eval_every"), log=tracking.log_metrics,
+                    eval_every=dc.train.get("eval_every"), log=tracking.log_metrics if distributed.is_main() else None,
                     log_every=int(dc.train.log_every), used=used)
     report = {
         "params": sum(p.numel() for p in draft.parameters() if p.requires_grad),
@@ -151,6 +163,7 @@ def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.Trai
         "epochs": round(result["epochs"], 2),
         "resumed_at": result["resumed_at"],
         "train_seconds": round(result["train_seconds"], 1),
+        "train_loss": result["loss"],  # the last step's, over the global batch (all ranks)
         "train_sequences": int(train_taps["ids"].shape[0]),
     }
     return draft, report

@@ -27,7 +27,12 @@ short sequences: for a fixed compute budget, more and shorter on-policy sequence
 
 Sequences of a split are fixed up front from `seed` (windows cut at random places of the split's documents),
 and shard i always holds the same sequences, so an interrupted run resumes shard by shard from the stage's
-scratch directory. The batched decode below runs the target's own layer modules (norms, projections, the
+scratch directory. Under torchrun (pipeline.distributed) shard j of the list of every shard (train, then
+held-out) belongs to rank j % N: each rank writes its own shards into the shared scratch directory (skipping
+those already there), all ranks meet at a barrier, and rank 0 (the only one given an `out`) checks that every
+shard is there and assembles the artifact. A shard's sequences and batches do not depend on N, so the files
+are the ones a single rank writes, and N is not in the key (the report records `world_size` and `backend`).
+The batched decode below runs the target's own layer modules (norms, projections, the
 attention math in `Attention.attend`, MLP) over a per-batch KV cache; tests pin it against the target's
 stateless forward (same greedy tokens, same taps within float tolerance).
 """
@@ -47,7 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.gguf import load_chat_template
-from pipeline import data, prompts, tracking
+from pipeline import data, distributed, prompts, tracking
 from pipeline.artifacts import TAPS_FIELDS, TAPS_INDEX, TAPS_SPLITS
 from pipeline.store import scratch_dir, sha256_file
 from runner.text import end_ids
@@ -55,6 +60,7 @@ from runner.text import end_ids
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+DISTRIBUTED = True  # under torchrun every rank runs a share of it (pipeline.app.Job.help)
 UPSTREAM = ("target",)
 CONFIG_KEYS = ("data", "taps", "seed")
 
@@ -153,7 +159,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
             if not 1 <= P < T:
                 raise ValueError(f"taps ({split}): prompt length {P} must be in [1, sequence length {T})")
     dtype = getattr(torch, str(tc.dtype))
-    device = torch.device(cfg.device)
+    device = distributed.device(cfg.device)
     target_dir = Path(upstream["target"].path)
     target = load_target(target_dir, max_seq_len=None).to(device).eval()
     longest = max(T for T, _ in lengths.values())
@@ -180,42 +186,56 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
 
     scratch = scratch_dir()
     per_shard, bs = int(tc.shard_sequences), int(tc.batch_size)
+    rank, world = distributed.rank(), distributed.world_size()
+    # Every shard of both splits in one list; shard j belongs to rank j % world. A shard's sequences and its
+    # batches (batch_size sequences at a time, within the shard) do not depend on the world size, so N ranks
+    # write the very files one rank writes.
+    work = [(split, i) for split in TAPS_SPLITS for i in range((len(sequences[split]) + per_shard - 1) // per_shard)]
+    mine = [w for j, w in enumerate(work) if j % world == rank]
+    resumed, generated, written, t_gen = 0, 0, 0, time.perf_counter()
+    bar = tqdm(total=sum(min(per_shard, len(sequences[s]) - i * per_shard) for s, i in mine), desc="taps",
+               unit="seq", mininterval=2.0, dynamic_ncols=True, disable=not distributed.is_main())
+    for split, i in mine:
+        T, P = lengths[split]
+        name = shard_name(split, i)
+        part = sequences[split][i * per_shard : (i + 1) * per_shard]
+        if (scratch / name).is_file():
+            resumed += 1
+            bar.update(len(part))
+            continue
+        generated += len(part) * T
+        pieces = []
+        for b in range(0, len(part), bs):
+            x = part[b : b + bs].to(device)
+            piece = generate_tapped(target, x, T) if source == "generate" else tap_sequences(target, x)
+            piece["mask"] = (generation_mask(piece["ids"], P, ends, bool(tc.mask_prompt))
+                             if source == "generate" else torch.ones_like(piece["ids"], dtype=torch.bool))
+            pieces.append({k: v.cpu() for k, v in piece.items()})
+            bar.update(len(x))
+        write_shard(scratch / name, {k: torch.cat([p[k] for p in pieces]) for k in TAPS_FIELDS}, dtype)
+        written += 1
+        distributed.fault_point("taps", written)
+        tracking.log_metrics({"shards_done": resumed + written}, step=resumed + written)
+    bar.close()
+    gen_seconds = time.perf_counter() - t_gen
+    distributed.barrier("taps: every rank wrote its shards")
+    resumed, generated = (int(v) for v in distributed.all_sum([resumed, generated], "taps shards"))
+    gen_seconds = max(distributed.all_sum([gen_seconds], "taps seconds")[0] / world, 1e-9)  # ranks run at once
+    if out is None:  # a rank other than 0: its shards are in scratch, rank 0 assembles the artifact
+        return {}
+
     shards: dict[str, list[str]] = {s: [] for s in TAPS_SPLITS}
     tokens = {s: 0 for s in TAPS_SPLITS}
     counted = {s: 0 for s in TAPS_SPLITS}
-    resumed, generated, t_gen = 0, 0, time.perf_counter()
-    for split in TAPS_SPLITS:
-        seqs = sequences[split]
-        T, P = lengths[split]
-        n_shards = (len(seqs) + per_shard - 1) // per_shard
-        bar = tqdm(total=len(seqs), desc=f"taps {split}", unit="seq", mininterval=2.0, dynamic_ncols=True)
-        for i in range(n_shards):
-            name = shard_name(split, i)
-            part = seqs[i * per_shard : (i + 1) * per_shard]
-            if (scratch / name).is_file():
-                resumed += 1
-            else:
-                generated += len(part) * T
-                pieces = []
-                for b in range(0, len(part), bs):
-                    x = part[b : b + bs].to(device)
-                    piece = generate_tapped(target, x, T) if source == "generate" else tap_sequences(target, x)
-                    piece["mask"] = (generation_mask(piece["ids"], P, ends, bool(tc.mask_prompt))
-                                     if source == "generate" else torch.ones_like(piece["ids"], dtype=torch.bool))
-                    pieces.append({k: v.cpu() for k, v in piece.items()})
-                    bar.update(len(x))
-                write_shard(scratch / name, {k: torch.cat([p[k] for p in pieces]) for k in TAPS_FIELDS}, dtype)
-            if bar.n < (i + 1) * per_shard:
-                bar.update(min(len(seqs), (i + 1) * per_shard) - bar.n)
-            with safe_open(str(scratch / name), framework="pt") as f:
-                mask = f.get_tensor("mask")
-            tokens[split] += mask.numel()
-            counted[split] += int(mask.sum())
-            shards[split].append(name)
-            tracking.log_metrics({f"{split}_sequences_done": min(len(seqs), (i + 1) * per_shard)}, step=i + 1)
-        bar.close()
-    gen_seconds = time.perf_counter() - t_gen
-
+    for split, i in work:
+        name = shard_name(split, i)
+        if not (scratch / name).is_file():
+            raise RuntimeError(f"taps: shard {name} is missing from {scratch} after every rank reported done")
+        with safe_open(str(scratch / name), framework="pt") as f:
+            mask = f.get_tensor("mask")
+        tokens[split] += mask.numel()
+        counted[split] += int(mask.sum())
+        shards[split].append(name)
     for split in TAPS_SPLITS:
         for name in shards[split]:
             shutil.move(str(scratch / name), str(out / name))
@@ -244,7 +264,8 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         "held_out_counted_tokens": counted["held_out"],
         "bytes_written": bytes_written,
         "shards_resumed": resumed,
-        "tokens_per_s": round(generated / max(gen_seconds, 1e-9), 1),  # of the target, over shards built now
+        "tokens_per_s": round(generated / gen_seconds, 1),  # of the target over shards built now, all ranks
+        **distributed.describe(),  # world_size, backend: how it was built (not in the key: the files are the same)
     }
     log.info("taps: %d train + %d held-out tokens, %.1f MB, %.1f s", tokens["train"], tokens["held_out"],
              bytes_written / 1e6, time.perf_counter() - t0)
