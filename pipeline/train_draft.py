@@ -369,7 +369,7 @@ def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None
         # same checkpoint) and averages the gradients of every backward.
         ddp = DistributedDataParallel(TTTLoss(draft, head, c, used, sum_over_ranks, world),
                                       device_ids=[device.index] if device.type == "cuda" else None,
-                                      broadcast_buffers=False)
+                                      forward_sync_buffers=False)  # buffers (d2t, t2d, caches) never change
         progress = progress and distributed.is_main()
     n_rows = train["ids"].shape[0]
     per_epoch = max(1, n_rows // c.batch_size)
