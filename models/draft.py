@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from models.config import DraftConfig
-from models.layers import MLP, Attention, RMSNorm, Rope, attention_mask, is_tracing
+from models.layers import MLP, Attention, RMSNorm, Rope, attention_mask, cached_mask, is_tracing, start_position
 
 
 class Eagle3Layer(nn.Module):
@@ -104,14 +104,20 @@ class Eagle3Draft(nn.Module):
     def forward(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor | None = None):
         """tokens [B,T], feature [B,T,H] -> (logits [B,T,Vd], g [B,T,H]). Cached (batch 1) iff input_pos."""
         T = tokens.shape[1]
+        kv_impl = "index_copy"
         if input_pos is None:
             q_pos = torch.arange(T, device=tokens.device)
             k_pos = q_pos
         else:
             self._check_cache_write(tokens, input_pos)
             q_pos, k_pos = input_pos, self.key_pos
+            kv_impl = self.layers[0].self_attn.kv_impl
         cos, sin = self.rope.tables(q_pos)
-        mask = attention_mask(q_pos, k_pos, None)
+        if kv_impl == "llama_ops":  # [T, 1, rot]: broadcast over the heads of [B, T, heads, hd]
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        mask = cached_mask(kv_impl, q_pos, k_pos, None)
+        if kv_impl == "llama_ops":  # the layer takes the start position, read once per call
+            input_pos = start_position(input_pos, self.key_pos.numel())
         g = self.layers[0](self.embed_tokens(tokens), feature, cos, sin, mask, input_pos)
         return self.logits(g), g
 
@@ -128,6 +134,10 @@ class Eagle3Draft(nn.Module):
         if last >= self.cfg.max_seq_len:
             raise ValueError(f"draft cache overflow: position {last} >= max_seq_len {self.cfg.max_seq_len}")
         self.valid_len = last + 1
+
+    def set_kv_impl(self, impl: str) -> None:
+        """The cached path's implementation ("index_copy" | "llama_ops", models.layers)."""
+        self.layers[0].self_attn.set_kv_impl(impl)
 
     def reset_cache(self) -> None:
         self.layers[0].self_attn.reset_cache()

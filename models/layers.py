@@ -7,11 +7,20 @@ RMSNorm(unit_offset), Attention(scale, softcap, norm_unit_offset), MLP(act).
 Export notes (torch.export with a dynamic T, then ExecuTorch):
 - every projection is a plain `nn.Linear` so a quantiser/kernel helper can swap it by type;
 - the attention math lives in one method, `Attention.attend(q, k, v, mask)`, so a kernel can replace it;
-- the cache is a registered (non-persistent) buffer [1, n_kv_heads, max_seq_len, head_dim] written with
-  `index_copy_` at `input_pos`; cached attention always runs over the whole buffer, and the boolean
-  mask (built from `input_pos` and an arange over max_seq_len) hides empty and stale slots, so no shape
-  depends on the data. The cached path is for inference: its K/V writes are detached (no gradient flows
-  through the cache); training uses the stateless path.
+- the cached path has two implementations of one function, chosen per model by `set_kv_impl` (the seam
+  through which the export swaps attention, as ExecuTorch's llama export swaps its SDPA module):
+  "index_copy" (the default, the reference): the cache is a registered (non-persistent) buffer
+  [B, n_kv_heads, max_seq_len, head_dim] written with `index_copy_` at `input_pos`; attention runs over the
+  whole buffer, and the boolean mask (built from `input_pos` and an arange over max_seq_len) hides empty
+  and stale slots, so no shape depends on the data.
+  "llama_ops" (what the .pte runs): ExecuTorch's own LLM ops. The cache is [B, max_seq_len, n_kv_heads,
+  head_dim], written by `llama::update_cache` at start = input_pos[0], and `llama::custom_sdpa` attends
+  causally from that start (GQA without copies of K/V, and only over the keys 0..start+T-1) or, on a
+  windowed layer, under an additive float mask [T, max_seq_len] built once per call. Its invariant:
+  input_pos is contiguous, arange(start, start+T) (the runner's every call). The ops have CPU kernels in
+  torch too, so the eager model runs the same path (tests compare the two implementations).
+  The cached path is for inference: its K/V writes are detached (no gradient flows through the cache);
+  training uses the stateless path.
 """
 
 from __future__ import annotations
@@ -24,12 +33,31 @@ from torch import nn
 
 from models.config import ACTIVATIONS
 
+KV_IMPLS = ("index_copy", "llama_ops")
+
+
+def load_llama_ops() -> None:
+    """Register ExecuTorch's llama:: ops (update_cache, custom_sdpa) with torch, and their kernels with the
+    ExecuTorch runtime of this process (executorch's libcustom_ops_aot_lib carries both): needed before
+    tracing the "llama_ops" path and before loading a .pte that calls them."""
+    import warnings
+
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+
+    # update_cache's meta function (executorch 1.5.1) calls the deprecated torch._check_is_size on every trace
+    warnings.filterwarnings("ignore", message="_check_is_size will be removed", category=FutureWarning)
+
 
 class RMSNorm(nn.Module):
     """HF LlamaRMSNorm: normalise in float32, cast back, then scale (weight applied in input dtype).
 
     unit_offset=True is HF Gemma3RMSNorm: normalise in float32, scale by (1 + weight) in float32, then cast
     back; its weight starts at zeros, so a fresh norm scales by 1 in both forms.
+
+    `set_fc_mean(True)` computes the mean of squares as a linear layer with a constant [1, dim] weight of
+    1/dim (the same sum in another order: equal to float32 rounding): XNNPACK takes a fully-connected op
+    over any leading shape, but a mean only over the last two dims of a 4-D tensor, so with the plain mean
+    every norm of an exported method ran outside the delegate and split it in two. The export uses it.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
@@ -37,11 +65,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.mean_weight = None
+
+    def set_fc_mean(self, on: bool) -> None:
+        w = self.weight
+        self.mean_weight = torch.full((1, w.shape[0]), 1.0 / w.shape[0], device=w.device) if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x2 = x32.pow(2)
+        ms = x2.mean(-1, keepdim=True) if self.mean_weight is None else F.linear(x2, self.mean_weight)
+        x32 = x32 * torch.rsqrt(ms + self.eps)
         if self.unit_offset:
             return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
@@ -96,8 +131,9 @@ class Rope(nn.Module):
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    """cat(-x2, x1) of the two halves, taken as slices (XNNPACK takes slice_copy, not the split of chunk)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -108,6 +144,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return x * cos + rotate_half(x) * sin
     xr, xp = x[..., :rot], x[..., rot:]
     return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+
+
+def start_position(input_pos: torch.Tensor, length: int):
+    """input_pos[0] as an int (a symbol under export, checked in [0, length - T]) for the llama ops' start."""
+    start = input_pos[0].item()
+    torch._check(start >= 0)
+    torch._check(start < length)
+    torch._check(start + input_pos.shape[0] <= length)
+    return start
+
+
+def rotate_half_weight(dim: int) -> torch.Tensor:
+    """[dim, dim] W with F.linear(x, W) == rotate_half(x) exactly (one +-1 per row: every product but one is
+    a zero): XNNPACK takes a linear over a dynamic T, but not the slices (or the split) of rotate_half."""
+    half = dim // 2
+    w = torch.zeros(dim, dim)
+    w[torch.arange(half), torch.arange(half) + half] = -1.0
+    w[torch.arange(half) + half, torch.arange(half)] = 1.0
+    return w
 
 
 class Attention(nn.Module):
@@ -136,12 +191,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, out_dim, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, eps, norm_unit_offset) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, norm_unit_offset) if qk_norm else None
+        self.kv_impl = "index_copy"
+        self.rotate_weight = None
         self.setup_cache(1, max_seq_len)
 
     def setup_cache(self, batch_size: int, length: int) -> None:
-        """(Re)allocate the cache as [batch_size, n_kv_heads, length, head_dim] zeros (non-persistent)."""
+        """(Re)allocate the cache as zeros (non-persistent): [batch_size, n_kv_heads, length, head_dim] for
+        "index_copy", [batch_size, length, n_kv_heads, head_dim] for "llama_ops"."""
         like = self.q_proj.weight
-        shape = (batch_size, self.n_kv_heads, length, self.head_dim)
+        shape = ((batch_size, self.n_kv_heads, length, self.head_dim) if self.kv_impl == "index_copy" else
+                 (batch_size, length, self.n_kv_heads, self.head_dim))
         self.register_buffer("k_cache", torch.zeros(shape, dtype=like.dtype, device=like.device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=like.dtype, device=like.device), persistent=False)
 
@@ -173,7 +232,54 @@ class Attention(nn.Module):
         p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         return torch.matmul(p, v)
 
+    def cache_size(self) -> tuple[int, int]:
+        """(batch, length) of the cache, whatever its layout."""
+        return self.k_cache.shape[0], self.k_cache.shape[2 if self.kv_impl == "index_copy" else 1]
+
+    def set_kv_impl(self, impl: str) -> None:
+        """Switch the cached path's implementation (module docstring); the cache is reallocated empty, same
+        batch and length. "llama_ops" has no soft-cap: a soft-capped layer is refused."""
+        if impl not in KV_IMPLS:
+            raise ValueError(f"kv_impl {impl!r}: supported are {KV_IMPLS}")
+        if impl == "llama_ops" and self.softcap is not None:
+            raise ValueError("kv_impl 'llama_ops' has no attention soft-cap (llama::custom_sdpa); keep 'index_copy'")
+        if impl == "llama_ops":
+            load_llama_ops()
+        self.rotate_weight = rotate_half_weight(self.head_dim).to(self.q_proj.weight) if impl == "llama_ops" else None
+        batch, length = self.cache_size()
+        self.kv_impl = impl
+        self.setup_cache(batch, length)
+
+    def forward_llama_ops(self, x, cos, sin, mask, input_pos):
+        """The cached path on ExecuTorch's llama ops (`input_pos`: the positions [T], or the start position
+        as an int, which the models compute once per call with `start_position`): q/k/v stay [B, T, heads, hd] (the ops' layout, no
+        transposes), RoPE broadcasts over the heads, K/V go into the cache at start = input_pos[0], and
+        custom_sdpa attends causally from start (mask None) or under the additive float mask [T, S]."""
+        B, T, _ = x.shape  # views name T as -1: XNNPACK takes a reshape with one inferred dim, none with a symbol
+        q = self.q_proj(x).view(B, -1, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, -1, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, -1, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos.dim() == 2:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rot] (the models pass them so, once per call)
+        if cos.shape[-1] == self.head_dim:  # rotate_half as a linear (rotate_half_weight)
+            c, s_ = cos.to(q.dtype), sin.to(q.dtype)
+            q = q * c + F.linear(q, self.rotate_weight) * s_
+            k = k * c + F.linear(k, self.rotate_weight) * s_
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not is_tracing():
+            k, v = k.detach(), v.detach()
+        start = input_pos if isinstance(input_pos, (int, torch.SymInt)) else start_position(input_pos, self.k_cache.shape[1])
+        torch.ops.llama.update_cache(k, self.k_cache, start)
+        torch.ops.llama.update_cache(v, self.v_cache, start)
+        out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start, mask, 0.0, mask is None, self.scale)
+        return self.o_proj(out.view(B, -1, self.n_heads * self.head_dim))
+
     def forward(self, x, cos, sin, mask, input_pos=None):
+        if input_pos is not None and self.kv_impl == "llama_ops":
+            return self.forward_llama_ops(x, cos, sin, mask, input_pos)
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         if input_pos is not None:
@@ -233,6 +339,33 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
     if window is not None:
         mask = mask & (k_pos[None, :] > q_pos[:, None] - window)
     return mask
+
+
+def cached_mask(kv_impl: str, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None):
+    """The mask a cached call's layers of one window take, built once per call and shared by them:
+    "index_copy": bool [T, S] (attention_mask); "llama_ops": None for a causal layer (custom_sdpa's own
+    causal rule from input_pos[0]), else the same visibility as an additive float32 mask [T, S] (0 / -inf)."""
+    if kv_impl == "index_copy":
+        return attention_mask(q_pos, k_pos, window)
+    if window is None:
+        return None
+    return torch.where(attention_mask(q_pos, k_pos, window), 0.0, float("-inf")).to(torch.float32)
+
+
+def set_fc_mean(model: nn.Module, on: bool) -> int:
+    """RMSNorm.set_fc_mean on every norm of `model`; -> how many."""
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for m in norms:
+        m.set_fc_mean(on)
+    return len(norms)
+
+
+def set_kv_impl(model: nn.Module, impl: str) -> int:
+    """Switch every Attention in `model` to `impl` (caches reallocated empty); -> how many."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for m in layers:
+        m.set_kv_impl(impl)
+    return len(layers)
 
 
 def is_capturing() -> bool:

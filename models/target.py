@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import TargetConfig
-from models.layers import MLP, Attention, RMSNorm, Rope, attention_mask, is_capturing, is_tracing
+from models.layers import MLP, Attention, RMSNorm, Rope, cached_mask, is_capturing, is_tracing, start_position
 
 
 class Block(nn.Module):
@@ -107,16 +107,22 @@ class Transformer(nn.Module):
     def hidden(self, tokens, input_pos=None, tap_layers=()):
         """Run embeddings and all layers. Returns (last residual [B,T,H] pre-norm, [states at tap_layers])."""
         B, T = tokens.shape
+        kv_impl = "index_copy"  # the stateless path's masks are the bool ones
         if input_pos is None:
             q_pos = torch.arange(T, device=tokens.device)
             k_pos = q_pos
         else:
             self._check_cached_call(tokens, input_pos)
             q_pos, k_pos = input_pos, self.key_pos
+            kv_impl = self.layers[0].self_attn.kv_impl
         tables = {False: self.rope.tables(q_pos)}
         if self.rope_local is not None:
             tables[True] = self.rope_local.tables(q_pos)
-        masks = {w: attention_mask(q_pos, k_pos, w) for w in self.windows}
+        if kv_impl == "llama_ops":  # [T, 1, rot]: broadcast over the heads of [B, T, heads, hd]
+            tables = {k: (c.unsqueeze(1), s.unsqueeze(1)) for k, (c, s) in tables.items()}
+        masks = {w: cached_mask(kv_impl, q_pos, k_pos, w) for w in self.windows}
+        if kv_impl == "llama_ops":  # the layers take the start position, read once per call
+            input_pos = start_position(input_pos, self.key_pos.numel())
         h = self.embed_tokens(tokens)
         if self.cfg.embed_scale != 1.0:
             # float32 scalar cast to the activations' dtype, as HF's Gemma3TextScaledWordEmbedding
@@ -130,7 +136,7 @@ class Transformer(nn.Module):
         return h, tapped
 
     def _check_cached_call(self, tokens, input_pos):
-        batch, length = self.layers[0].self_attn.k_cache.shape[0], self.key_pos.numel()
+        batch, length = self.layers[0].self_attn.cache_size()[0], self.key_pos.numel()
         if tokens.shape[0] != batch:
             raise ValueError(f"cached forward of batch {tokens.shape[0]}, but the KV cache is for batch {batch} "
                              f"(batch 1 unless setup_cache(batch_size) says otherwise)")
@@ -140,8 +146,14 @@ class Transformer(nn.Module):
             raise ValueError(f"input_pos {int(input_pos.max())} is beyond the cache (length {length}, "
                              f"max_seq_len {self.cfg.max_seq_len})")
 
+    def set_kv_impl(self, impl: str) -> None:
+        """The cached path's implementation for every layer ("index_copy" | "llama_ops", models.layers);
+        one model runs one implementation, so its masks are built once per call for all layers."""
+        for layer in self.layers:
+            layer.self_attn.set_kv_impl(impl)
+
     def setup_cache(self, batch_size: int = 1, length: int | None = None) -> None:
-        """Reallocate every layer's cache as [batch_size, n_kv_heads, length, head_dim] (length defaults to,
+        """Reallocate every layer's cache for batch_size x length (in its kv_impl's layout; length defaults to,
         and may not exceed, max_seq_len), empty. The exported methods use the default, batch 1 over the
         whole max_seq_len; a shorter, batched cache serves batched greedy generation with the same layers."""
         length = self.cfg.max_seq_len if length is None else int(length)

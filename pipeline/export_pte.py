@@ -37,11 +37,12 @@ Constant methods (no inputs; `execute([])` returns a one-element list):
     get_sliding_window -> int        smallest sliding window of any target layer, 0 = none (extra; the
                                      runner keeps prefill chunks within it)
     get_backend -> str               "portable" | "xnnpack" (extra)
-    get_quant -> str                 "none" | "int4" (extra)
+    get_quant -> str                 "none" | "int4" | "int4_draft" (extra)
 
 Bounds. The ExecuTorch runtime REJECTS a T above a method's exported maximum (set_inputs fails with error
-0x10) but ACCEPTS a T below its minimum; the runner enforces the lower bounds. input_pos is not
-range-checked inside the graph (no data-dependent guards): positions must stay below max_seq_len.
+0x10) but ACCEPTS a T below its minimum; the runner enforces the lower bounds. input_pos must be
+contiguous (the llama_ops graph reads only its first entry) and stay below max_seq_len: the runner
+checks both (the graph's own checks of the start position are not a contract).
 
 Dispatch rule: written once, as kernels.rule.use_small_m (M <= max_m: the small-M kernels, else the
 dense path; docs/design.md §5; torch-free, so reading it loads no Triton). `check_dispatch_windows` refuses any exported target T range whose ends fall on
@@ -52,9 +53,26 @@ such threshold of their own; the check keeps the .pte valid for the kernels' bac
 
 Backends: "portable" (no delegate) and "xnnpack" (XnnpackPartitioner; with quant="int4" torchao's
 8-bit dynamic activation / int4 grouped weight (8da4w) linears, the quantizer config of ExecuTorch's llama
-export). Embeddings stay fp32. The report lists, per method, the ops left outside the delegate: with a
-dynamic T, XNNPACK takes no reshape with a symbolic dim, no expand (GQA), split (RoPE), index_put (cache
-writes), index (RoPE tables), mask ops, embedding or argmax, so each layer is several delegate calls.
+export; quant="int4_draft" quantizes the draft's linears only, its fc included, and leaves the target
+fp32: the draft's numerics move acceptance, never the output, and its step reads 8x fewer weight bytes). Embeddings stay fp32. The report lists, per method, the delegate calls and the ops left outside
+the delegate.
+
+The graph the methods are traced with (`attention="llama_ops"`, `fc_norms=True`, the defaults): the same
+modules as the eager reference, with two seams switched (models.layers). Attention runs on ExecuTorch's own
+LLM ops: `llama::update_cache` writes K/V into a [1, S, kv, hd] cache at start = input_pos[0], and
+`llama::custom_sdpa` attends causally from that start over the keys 0..start+T-1 only, with GQA inside the
+kernel (no expanded copy of the cache) and no mask tensor (a sliding-window layer takes one additive float
+mask [T, S], built once per call). RMSNorm's mean is a linear with a constant 1/dim weight, RoPE's
+rotate_half a linear with a constant +-1 weight (exact), and every view names T as -1: with a dynamic T,
+XNNPACK takes a linear and a reshape with one inferred dim, but no mean over the last dim of a 3-D tensor,
+no dynamic slice or split and no reshape with a symbolic dim. So each layer leaves exactly its two cache
+writes and its attention outside the delegate, and a method is about one delegate call per layer (the
+default target's target_verify: 10 delegate calls, 44 ops outside, of which 24 are the layers' ops and the
+rest a fixed few per call: the start position and its checks, the RoPE table lookups, the embedding, the
+argmax). The invariant this adds: input_pos is contiguous, arange(start, start+T), as the runner always
+passes it. A model with an attention soft-cap (no such option in custom_sdpa) keeps the reference graph
+(`pick_attention`). The .pte needs the llama:: kernels registered in the runtime that loads it
+(models.layers.load_llama_ops; runner.engine.PteEngine does it).
 
 Stored once. Every weight is one range of the file, however many methods, models and consumers read it.
 Equal constants of the four methods share one constant-segment entry (the emitter keys them by content),
@@ -73,7 +91,7 @@ data read from the constant segment).
 
 Baked at export: weights, d2t, max_m, the T ranges and the metadata above. Not baked: K, sampling, stop
 tokens, the prompt. Out of scope here: CUDA/AOTInductor (needs the kernels' triton_ops with fake impls and
-ExecuTorch's CudaPartitioner), ExecuTorch's llama custom ops (update_cache / custom_sdpa).
+ExecuTorch's CudaPartitioner).
 """
 
 from __future__ import annotations
@@ -96,7 +114,7 @@ from kernels.rule import SMALL_M_LIMIT, use_small_m
 log = logging.getLogger(__name__)
 
 BACKENDS = ("portable", "xnnpack")
-QUANTS = ("none", "int4")
+QUANTS = ("none", "int4", "int4_draft")
 TARGET_METHODS = ("prefill", "target_verify", "target_decode")
 METHODS = TARGET_METHODS + ("draft_decode",)
 
@@ -137,9 +155,9 @@ def check_export_args(*, max_m: int, default_chain: int, min_prefill_chunk: int,
         raise ValueError(f"export.backend={backend!r}: supported backends are {BACKENDS}")
     if quant not in QUANTS:
         raise ValueError(f"export.quant={quant!r}: supported are {QUANTS}")
-    if quant == "int4" and backend != "xnnpack":
-        raise ValueError(f"export.quant=int4 needs export=xnnpack (backend {backend!r} has no int4 linear kernels)")
-    if quant == "int4" and (group_size <= 0 or group_size % 2):
+    if quant != "none" and backend != "xnnpack":
+        raise ValueError(f"export.quant={quant} needs export=xnnpack (backend {backend!r} has no int4 linear kernels)")
+    if quant != "none" and (group_size <= 0 or group_size % 2):
         raise ValueError(f"export.group_size={group_size}: int4 groups must be a positive even size (e.g. 32)")
     if not isinstance(max_m, int) or max_m < 2:
         raise ValueError(f"export.max_m={max_m}: the verify window is T in [2, max_m] (K = T-1 >= 1), "
@@ -408,6 +426,39 @@ def data_layout(pte: bytes) -> dict[str, int]:
     return layout
 
 
+def pick_attention(speculator: nn.Module, attention: str) -> str:
+    """The cached attention the program runs: `attention` ("llama_ops" | "index_copy", models.layers), except
+    that a model with a soft-capped attention layer (llama::custom_sdpa has no soft-cap) keeps "index_copy"."""
+    from models.layers import KV_IMPLS, Attention
+
+    if attention not in KV_IMPLS:
+        raise ValueError(f"attention={attention!r}: supported are {KV_IMPLS}")
+    if attention == "llama_ops" and any(m.softcap is not None for m in speculator.modules() if isinstance(m, Attention)):
+        log.info("attention soft-cap present: the program keeps the index_copy attention")
+        return "index_copy"
+    return attention
+
+
+@contextlib.contextmanager
+def _export_graph(speculator: nn.Module, attention: str, fc_norms: bool):
+    """While tracing: every Attention of `speculator` on `attention`, every RMSNorm's mean as a linear when
+    `fc_norms` (models.layers); back to what they were after (caches reallocated empty both ways)."""
+    from models.layers import Attention, RMSNorm, set_fc_mean, set_kv_impl
+
+    saved = {m: m.kv_impl for m in speculator.modules() if isinstance(m, Attention)}
+    norms = {m: m.mean_weight for m in speculator.modules() if isinstance(m, RMSNorm)}
+    set_kv_impl(speculator, attention)
+    set_fc_mean(speculator, fc_norms)
+    try:
+        yield
+    finally:
+        for m, was in saved.items():
+            if m.kv_impl != was:
+                m.set_kv_impl(was)
+        for m, was in norms.items():
+            m.mean_weight = was
+
+
 @contextlib.contextmanager
 def _tracing_mode(speculator: nn.Module):
     """The draft's eager-only cache guard (gaps) is data dependent: off while tracing, restored after."""
@@ -424,11 +475,14 @@ def _tracing_mode(speculator: nn.Module):
 
 def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "none", group_size: int = 32,
-               out_path: Path | str, manifest_hash: str, progress: bool = True) -> dict:
+               out_path: Path | str, manifest_hash: str, progress: bool = True,
+               attention: str = "llama_ops", fc_norms: bool = True) -> dict:
     """Lower `speculator` (a models.Speculator) into one .pte at `out_path`; return a JSON-able report.
 
-    quant="int4" quantizes `speculator` IN PLACE (the stage loads a fresh one; copy first to keep fp32).
-    Every argument is checked before tracing starts (ValueError with the offending value).
+    quant="int4" quantizes `speculator` IN PLACE, "int4_draft" its draft (the stage loads a fresh one; copy
+    first to keep fp32).
+    `attention` is the cached path the methods are traced with (`pick_attention`), `fc_norms` makes every
+    RMSNorm's mean a linear (RMSNorm.set_fc_mean); the speculator's caches are reallocated empty. Every argument is checked before tracing starts (ValueError with the offending value).
     """
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
@@ -446,14 +500,15 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
             and all(c in "0123456789abcdef" for c in manifest_hash)):
         raise ValueError(f"manifest_hash must be 64 lowercase hex chars (a sha256), got {manifest_hash!r}")
 
+    attention = pick_attention(speculator, attention)
     t_start = time.perf_counter()
-    report: dict = {"backend": backend, "quant": quant, "max_m": max_m, "default_chain": default_chain,
+    report: dict = {"backend": backend, "quant": quant, "attention": attention, "fc_norms": fc_norms, "max_m": max_m, "default_chain": default_chain,
                     "min_prefill_chunk": min_prefill_chunk, "max_prefill_chunk": max_prefill_chunk,
                     "max_seq_len": max_seq_len, "manifest_hash": manifest_hash}
     speculator.eval()
-    if quant == "int4":
+    if quant != "none":
         report["group_size"] = group_size
-        report["fp32_linears"] = quantize_int4(speculator, group_size)
+        report["fp32_linears"] = quantize_int4(speculator if quant == "int4" else speculator.draft, group_size)
         log.info("int4 (8da4w, group %d) applied; linears left fp32: %s", group_size, report["fp32_linears"] or "none")
 
     specs = method_specs(max_m=max_m, min_prefill_chunk=min_prefill_chunk, max_prefill_chunk=max_prefill_chunk,
@@ -462,7 +517,7 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     compile_config = EdgeCompileConfig(_check_ir_validity=False)
     exported, lowered, timings = {}, {}, {}
     bar = tqdm(total=2 * len(specs), desc=f"export {backend}/{quant}", disable=not progress, leave=False)
-    with _tracing_mode(speculator):
+    with _tracing_mode(speculator), _export_graph(speculator, attention, fc_norms):
         for name, (wrap, args, dynamic_shapes, (lo, hi)) in specs.items():
             bar.set_postfix_str(f"torch.export {name}")
             t0 = time.perf_counter()

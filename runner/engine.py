@@ -117,6 +117,7 @@ class PteEngine:
             raise FileNotFoundError(f"no .pte at {self.path}")
         self.checked = verified or check_pte(self.path)
 
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (the llama:: kernels the program calls)
         from executorch.runtime import Runtime
 
         ptd = self.path.with_suffix(".ptd")

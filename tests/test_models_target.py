@@ -81,6 +81,41 @@ def test_cached_prefix_then_new_positions_equals_full_recompute(variant):
             torch.testing.assert_close(a, b[:, prefix:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@torch.no_grad()
+def test_the_exports_attention_and_norms_equal_the_reference(variant):
+    """kv_impl "llama_ops" (llama::update_cache / custom_sdpa over a [B, S, kv, hd] cache from the start
+    position) with fc-mean norms gives the reference's logits and taps: a prefill, a rejected window
+    overwritten by every verify width T, and T=1."""
+    from models.layers import set_fc_mean
+
+    ref = tiny_target(**VARIANTS[variant])
+    model = tiny_target(**VARIANTS[variant])
+    model.set_kv_impl("llama_ops")
+    assert set_fc_mean(model, True) > 0
+    assert model.layers[0].self_attn.k_cache.shape == (1, model.cfg.max_seq_len, model.cfg.n_kv_heads, model.cfg.head_dim)
+    tokens = torch.randint(0, 256, (1, 20))
+    for m in (ref, model):
+        m(tokens[:, :10], torch.arange(10))
+        m(torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1)), torch.arange(10, 16))
+    for T in range(1, 9):
+        want, want_taps = ref(tokens[:, 10:10 + T], torch.arange(10, 10 + T), taps=True)
+        got, got_taps = model(tokens[:, 10:10 + T], torch.arange(10, 10 + T), taps=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got_taps, want_taps):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    model.set_kv_impl("index_copy")  # and back: the reference's layout
+    assert model.layers[0].self_attn.k_cache.shape[2] == model.cfg.max_seq_len
+
+
+def test_llama_ops_refuse_an_attention_softcap():
+    model = tiny_target(attn_logit_softcap=50.0)
+    with pytest.raises(ValueError, match="soft-cap"):
+        model.set_kv_impl("llama_ops")
+    with pytest.raises(ValueError, match="kv_impl"):
+        model.set_kv_impl("flash")
+
+
 @torch.no_grad()
 def test_overwriting_rejected_slots_equals_recompute():
     """A verify window after a partial acceptance overwrites stale slots; the result is as if they never were."""

@@ -35,7 +35,7 @@ from pipeline.store import hash_tree
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: get_sliding_window is a required constant method
+SCHEMA_VERSION = 3  # 2: get_sliding_window is a required constant method; 3: the llama_ops / fc-norm graph
 UPSTREAM = ("target", "draft")
 CONFIG_KEYS = ("export",)
 
