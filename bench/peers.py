@@ -7,7 +7,8 @@
 Systems (every one decodes the same prompt ids for the same number of new tokens, greedy, no stop token):
 - `ours fp32 K=k` / `ours int4 K=k`: the export artifact's .pte through runner.engine.PteEngine and
   runner.generate's loop, K = 0 (target_decode) and every K in [1, max_m-1]; one load per quant.
-- `hf greedy`, `hf pld k`, `hf assisted`: transformers' `generate` (dynamic cache, eager, fp32) on the same
+- `hf greedy`, `hf pld k`, `hf assisted`: transformers' `generate` (dynamic cache, eager, fp32: a static cache
+  without torch.compile measured slower here, 75 against 125 tokens/s on the embedded target) on the same
   weights read from a GGUF (ours, written by models.gguf.write_gguf; SmolLM2's original); prompt-lookup
   decoding with `prompt_lookup_num_tokens=k`; assisted generation with a copy of the target truncated to its
   first layers (`--assistant-layers`, default max(2, L // 8)) as `assistant_model`.
@@ -37,6 +38,10 @@ system's bytes floor per token; the .pte's per-call cost (a constant method's ex
 execute against the loop's wall time per token); llama.cpp's own eval time per token (llama_perf_context)
 against its Python wall time per token. Load: `uptime`'s load averages and nproc before and after, and the CPU
 time other processes took during the measurement (from /proc/stat minus this process).
+
+Table columns: median decode tokens/s and its range over prompts x repetitions; best/this = our best row's
+median over this row's; tau = tokens per round (our K > 0); MB/step = model bytes a forward reads; floor st/s =
+forwards per second at the bytes floor; vs ref = `same` or the common prefix with the reference, per prompt.
 
 Writes bench/results/cpu-peers-<target>.json and prints one table per target, last.
 """
@@ -315,6 +320,7 @@ def store_exports(store_root: Path) -> list[dict]:
             continue
         out.append({"key": m["key"], "path": manifest.parent, "quant": m["config"]["export"].get("quant", "none"),
                     "export": m["config"]["export"], "report": m.get("report", {}), "created_at": m.get("created_at"),
+                    "git_commit": m.get("git_commit"),
                     "target_key": tkey, "target_path": store_root / "target" / tkey,
                     "target_cfg": tm["config"].get("target", {}), "data_cfg": tm["config"].get("data", {})})
     return out
@@ -562,7 +568,7 @@ def best_ours(rows: list[dict]) -> dict | None:
 def table(result: dict) -> str:
     rows, best = result["rows"], result["best_ours"]
     head = (f"{'system':34} {'tok/s':>8} {'min-max':>13} {'best/this':>9} {'tau':>5} {'MB/step':>8} "
-            f"{'floor tok/s':>11} {'vs ref':>10}")
+            f"{'floor st/s':>11} {'vs ref':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = f"{best['tokens_per_s_median'] / r['tokens_per_s_median']:.2f}x" if best else "-"
@@ -625,20 +631,21 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
                 model = target_model or read_gguf(original, max_seq_len=512, progress=False).model
                 write_gguf(model, tokenizer, path, dtype="f32", name="SmolLM2-135M-Instruct (Q4_1 dequantised)")
             ggufs["f32"] = path
-    for quant in ("fp32", "int4"):
+    for quant in args.quants:
         if quant not in picked:
-            skipped.append(f"{target}: ours {quant} (no {'xnnpack ' + ('quant=none' if quant == 'fp32' else 'quant=int4')}"
+            skipped.append(f"{target}: ours {quant} (no {'xnnpack quant=' + ('none' if quant == 'fp32' else quant)}"
                            f" export artifact of this target in the store"
                            + (": the preset pipeline takes ~40 minutes here, python -m pipeline target=smollm2_135m "
                               "+stage=export" if target != "tiny" else
-                              ": python -m pipeline +stage=export export.quant=int4 threads=1") + ")")
+                              f": python -m pipeline +stage=export export.quant={quant} threads=1") + ")")
 
     prompts = make_prompts(tokenizer, prompt_format, chat_template, args.prompts, args.prompt_len, args.seed)
     n_ctx = args.prompt_len + args.new_tokens + 16 + max(PLD_K)
 
     systems: list[System] = []
     engines = {}
-    for quant, e in picked.items():
+    for quant in [q for q in args.quants if q in picked]:
+        e = picked[quant]
         pte = e["path"] / "model.pte"
         model_for_bytes = target_model if target_model is not None else None
         nbytes = target_weight_bytes(model_for_bytes, quant, int(e["export"].get("group_size", 32))) \
@@ -714,7 +721,11 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
                             "tokens are not counted",
             "llama.cpp": "from the first token generate() yields to the last; decode tokens = new tokens - 1",
         },
-        "exports": {q: {"key": e["key"], "pte_bytes": e["report"].get("pte_bytes"), "max_m": e["export"].get("max_m")}
+        "exports": {q: {"key": e["key"], "created_at": e["created_at"], "git_commit": e["git_commit"],
+                        "pte_bytes": e["report"].get("pte_bytes"), "max_m": e["export"].get("max_m"),
+                        "target_decode_delegate_calls": (e["report"].get("delegate_calls") or {}).get("target_decode"),
+                        "target_decode_ops_outside_delegate":
+                            (e["report"].get("n_ops_outside_delegate") or {}).get("target_decode")}
                     for q, (_, e) in engines.items()},
         "ggufs": {label: {"file": p.name, "bytes": p.stat().st_size, "bytes_per_step": gguf_weight_bytes(p)}
                   for label, p in ggufs.items()},
@@ -735,15 +746,17 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
 
 
 def analysis(result: dict) -> dict:
-    """Our K=0 and best rows and every peer row as time per token split into the bytes floor (bytes per step
-    at the rate an fp32 GEMV reads that many bytes here) and the rest (compute and per-call overhead)."""
+    """Our K=0 and best rows and every peer row as time per token; for the rows that decode one token per forward,
+    split into the bytes floor (bytes per step at the rate an fp32 GEMV reads that many bytes here) and the rest
+    (compute and per-call overhead)."""
     out = {}
     for r in result["rows"]:
         if r["family"] == "ours" and r["chain"] != 0 and r["system"] != (result["best_ours"] or {}).get("system"):
             continue
         ms = 1e3 / r["tokens_per_s_median"]
         entry = {"ms_per_token": round(ms, 3)}
-        if r.get("bytes_floor_ms"):
+        one_token = r["chain"] in (None, 0) and not any(w in r["system"] for w in ("pld", "assisted"))
+        if r.get("bytes_floor_ms") and one_token:  # a speculative row reads the weights once for several tokens
             entry.update(bytes_floor_ms=r["bytes_floor_ms"], rest_ms=round(ms - r["bytes_floor_ms"], 3),
                          bytes_per_step=r["bytes_per_step"])
         out[r["system"]] = entry
@@ -781,6 +794,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quants", default="fp32,int4", help="our .pte rows: export.quant values (fp32 = none)")
     ap.add_argument("--chains", default=None, help="our K values (default 0 and every K in [1, max_m-1])")
     ap.add_argument("--assistant-layers", type=int, default=None,
                     help="layers of the truncated assistant (default max(2, L // 8))")
@@ -795,6 +809,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.chains = None if args.chains is None else [int(k) for k in args.chains.split(",")]
     args.skip = set(filter(None, args.skip.split(",")))
+    args.quants = [q for q in args.quants.split(",") if q]
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     warnings.filterwarnings("ignore", module="transformers")
@@ -840,8 +855,8 @@ def main(argv=None) -> int:
             print(f"   .pte {q}: constant method execute {c['constant_method_execute_ms']:.3f} ms, target_decode "
                   f"execute {c['target_decode_execute_ms']:.3f} ms, with input/output copies "
                   f"{c['target_decode_with_io_ms']:.3f} ms")
-        print("   time per token = bytes floor (bytes per step / GEMV read rate at that size) + the rest (compute, per-call "
-              "overhead):")
+        print("   time per token (one-token decoders: = bytes floor, bytes per step / GEMV read rate at that size, + the "
+              "rest: compute, per-call overhead):")
         for name, a in result["analysis"].items():
             floor = (f" = floor {a['bytes_floor_ms']:.3f} ms ({a['bytes_per_step'] / 1e6:.1f} MB) + rest "
                      f"{a['rest_ms']:.3f} ms" if "bytes_floor_ms" in a else "")
