@@ -305,8 +305,9 @@ def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int) -> None
                 "new_tokens": NEW_TOKENS, "engine": {}, "transformers": {}})
     hf = hf_llama(target)  # before the engine moves the target to the GPU in bf16
     small = hf_llama(target, ASSISTANT_LAYERS)
-    for mode in ("plain", "exact"):  # decode at T = 1 / every target call at max_m rows (bit-exact across K)
-        engine = CudaEngine(spec, device="cuda", exact=mode == "exact", **WINDOWS)
+    # bf16 decoding at T = 1 / every target call at max_m rows (bit-exact across K) / the INT4 kernels at T = 1
+    for mode in ("plain", "exact", "int4"):
+        engine = CudaEngine(spec, device="cuda", exact=mode == "exact", kernels=mode == "int4", **WINDOWS)
         rows = out["engine"][mode] = {}
         for k in range(MAX_M):
             rows[k] = engine_generate(engine, prompts, k, NEW_TOKENS)

@@ -152,25 +152,6 @@ def measure_bandwidth() -> dict:
     return dict(sm_copy=2 * n * 2 / (sm_us * 1e-6), eager_copy=2 * n * 2 / (statistics.median(eager) * 1e-6))
 
 
-# ----------------------------------------------------------------------------- torch int4 peer
-
-def to_tinygemm(packed, scale_zero, group):
-    """Our (packed, scale_zero) -> torch's tinygemm (int4pack, scales_and_zeros). Its packing takes even k in
-    the high nibble; it dequantises w = (q - 8) * scale + zero_f, so zero_f = (8 - zero) * scale. Its inner k tiles
-    (8 where K allows) must divide K / 16: SmolLM2's K = 576 takes 4."""
-    q = G.unpack_int4(packed).to(torch.int32)
-    u8 = (q[:, 0::2] << 4) | q[:, 1::2]
-    inner = next(t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0)
-    w = torch.ops.aten._convert_weight_to_int4pack(u8.to(torch.uint8).contiguous(), inner)
-    s, zero = scale_zero.float().unbind(-1)
-    sz = torch.stack((s, (8 - zero) * s), dim=-1).to(torch.bfloat16).contiguous()  # [K/g, N, 2]
-    return w, sz
-
-
-def tinygemm_mm(x, w, sz, group):
-    return torch.ops.aten._weight_int4pack_mm(x, w, group, sz)
-
-
 # ----------------------------------------------------------------------------- check
 
 def section_check(report: Report):
@@ -258,7 +239,7 @@ def check_int4(out: dict):
     packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(1024, 4096, device="cuda"), 128))
     x = torch.randn(4, 4096, device="cuda").to(torch.bfloat16)
     ref = x.double() @ G.dequantize_int4(packed, scale_zero, 128, torch.float64).t()
-    err = rel_err(tinygemm_mm(x, *to_tinygemm(packed, scale_zero, 128), 128), ref)
+    err = rel_err(G.tinygemm_mm(x, *G.to_tinygemm(packed, scale_zero, 128), 128), ref)
     assert err < 1e-2, f"torch int4 on our weights: rel err {err}"
     out["tinygemm_rel_err"] = err
     log(f"check tinygemm on our weights: rel err {err:.2e}")
@@ -514,7 +495,7 @@ def section_gemm(report: Report):
     for K, N in GEMM_SHAPES:
         copies = copies_for(N * K / 2)
         ops = gemm_operands(K, N, 128, copies)
-        tg = [to_tinygemm(*o, 128) for o in ops]
+        tg = [G.to_tinygemm(*o, 128) for o in ops]
         nb = copies_for(N * K * 2)
         wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
         read = read_ceiling(weight_bytes(K, N, 128), copies, sms)
@@ -526,7 +507,7 @@ def section_gemm(report: Report):
             xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(max(copies, nb))]
             ours = time_calls([lambda i=i: G.int4_mm(xs[i], *ops[i], 128) for i in range(copies)])
             alone = time_calls([lambda i=i: int4_mm_alone(xs[i], *ops[i], 128) for i in range(copies)])
-            peer = time_calls([lambda i=i: tinygemm_mm(xs[i], *tg[i], 128) for i in range(copies)])
+            peer = time_calls([lambda i=i: G.tinygemm_mm(xs[i], *tg[i], 128) for i in range(copies)])
             dense = time_calls([lambda i=i: F.linear(xs[i], wb[i]) for i in range(nb)])
             floor = gemm_floor_bytes(M, K, N, 128) / bw * 1e6
             row = dict(K=K, N=N, M=M, ours_us=ours, ours_alone_us=alone, torch_int4_us=peer, bf16_us=dense,
@@ -564,13 +545,13 @@ DISPATCH_SHAPES = [
 ]
 
 
-def section_dispatch(report: Report):
+def section_dispatch(report: Report, forced: bool = False):
     """Ours against torch's int4 GEMM (same weights, same group) and bf16 cuBLAS at M = 1..8 on every linear of
     the supported targets, at the group kernels.transform gives the shape: which path a dispatch rule should take."""
     rows = []
     for model, name, K, N in DISPATCH_SHAPES:
         try:
-            rows += dispatch_rows(model, name, K, N)
+            rows += dispatch_rows(model, name, K, N, forced)
         except Exception:  # one shape a peer refuses leaves the others measured
             report.setdefault("errors", {})[f"dispatch {model} {name}"] = traceback.format_exc()[-1500:]
             log(f"dispatch {model} {name} {K}x{N} FAILED:\n{traceback.format_exc()[-1500:]}")
@@ -579,24 +560,45 @@ def section_dispatch(report: Report):
         report.save()
 
 
-def dispatch_rows(model: str, name: str, K: int, N: int) -> list[dict]:
-    """One shape at M = 1..8, at the group kernels.transform gives it (128 where K allows, else 32)."""
+def gluon_one_launch(K: int, N: int, group: int) -> tuple | None:
+    """The Gluon path's one-launch configuration for a shape it can take (group 128, N a multiple of 64): the
+    default split with x staged by the kernel itself at every M <= 8."""
+    if group != int4_gluon.GROUP or N % int4_gluon.BLOCK_N or K % group or K < 2 * group:
+        return None
+    return (*int4_gluon.default_config(K, N, torch.cuda.get_device_properties(0).multi_processor_count), 8)
+
+
+def dispatch_rows(model: str, name: str, K: int, N: int, forced: bool) -> list[dict]:
+    """One shape at M = 1..8, at the group kernels.transform gives it (128 where K allows, else 32): what
+    `dispatch.int4_matmul` runs (`picked`, on `path`), our kernel as `int4_mm` picks it (`kernel`), each of ours
+    forced with `forced` (the Triton kernel; the Gluon kernel in one launch), torch's int4 GEMM and bf16 cuBLAS."""
+    from kernels import dispatch
+
     rows = []
     group = 128 if K % 128 == 0 else 32
     copies = copies_for(N * K / 2)
     ops = gemm_operands(K, N, group, copies)
-    tg = [to_tinygemm(*o, group) for o in ops]
+    tg = [G.to_tinygemm(*o, group) for o in ops]
     nb = copies_for(N * K * 2)
     wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
-    path = gemm_path(K, N, group)
+    one = gluon_one_launch(K, N, group)
     for M in MS:
         xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16) for _ in range(max(copies, nb))]
-        ours = time_calls([lambda i=i: G.int4_mm(xs[i], *ops[i], group) for i in range(copies)])
-        peer = time_calls([lambda i=i: tinygemm_mm(xs[i], *tg[i], group) for i in range(copies)])
-        dense = time_calls([lambda i=i: F.linear(xs[i], wb[i]) for i in range(nb)])
-        rows.append(dict(model=model, linear=name, K=K, N=N, M=M, group=group, ours_us=ours, torch_int4_us=peer,
-                         bf16_us=dense, config=path))
-    log(f"dispatch {model} {name} {K}x{N} g{group}: ours " + " ".join(f"{r['ours_us']:.1f}" for r in rows)
+        row = dict(model=model, linear=name, K=K, N=N, M=M, group=group, path=dispatch.int4_path(K, N, group, M))
+        row["picked_us"] = time_calls([lambda i=i: dispatch.int4_matmul(xs[i], *ops[i], group, tg[i])
+                                       for i in range(copies)])
+        row["kernel_us"] = time_calls([lambda i=i: G.int4_mm(xs[i], *ops[i], group) for i in range(copies)])
+        if forced:
+            row["triton_us"] = time_calls([lambda i=i: G.launch_int4_mm(xs[i], *ops[i], group) for i in range(copies)])
+            row["gluon_us"] = (time_calls([lambda i=i: int4_gluon.launch(xs[i], *ops[i], one) for i in range(copies)])
+                               if one else None)
+        row["torch_int4_us"] = time_calls([lambda i=i: G.tinygemm_mm(xs[i], *tg[i], group) for i in range(copies)])
+        row["bf16_us"] = time_calls([lambda i=i: F.linear(xs[i], wb[i]) for i in range(nb)])
+        rows.append(row)
+    log(f"dispatch {model} {name} {K}x{N} g{group}: picked " + " ".join(f"{r['picked_us']:.1f}" for r in rows)
+        + " | ours " + " ".join(f"{r['kernel_us']:.1f}" for r in rows)
+        + (" | triton " + " ".join(f"{r['triton_us']:.1f}" for r in rows) if forced else "")
+        + (" | gluon " + " ".join(f"{r['gluon_us']:.1f}" for r in rows) if forced and one else "")
         + " | torch-int4 " + " ".join(f"{r['torch_int4_us']:.1f}" for r in rows))
     return rows
 
@@ -656,7 +658,7 @@ class TinyGemmLinear(torch.nn.Module):
     def __init__(self, lin):
         super().__init__()
         self.group = lin.group
-        self.w, self.sz = to_tinygemm(lin.packed, lin.scale_zero, lin.group)
+        self.w, self.sz = G.to_tinygemm(lin.packed, lin.scale_zero, lin.group)
         self.bias = lin.bias
 
     def forward(self, x):
@@ -865,12 +867,13 @@ def print_tables(report: Report):
                 f"{r['torch_int4_us']:7.1f} {r['bf16_us']:7.1f} {r['floor_us']:6.1f} {r['floor_frac']:5.2f} "
                 f"{r['read_us']:6.1f} {r['read_overlap_us']:12.1f} {r['read_dep_us']:8.1f} {fracs:>22}")
     if "dispatch" in report:
-        log("\nDispatch (us at M = 1..8: ours / torch int4; * where torch int4 is faster by > 3%)")
+        log("\nDispatch (us at M = 1..8: picked / torch int4, t where it picked torch's; ! where the pick is slower "
+            "than torch's by > 3%)")
         rows = report["dispatch"]
         for i in range(0, len(rows), len(MS)):
             r0 = rows[i]
-            cells = " ".join(f"{r['ours_us']:5.1f}/{r['torch_int4_us']:5.1f}{'*' if r['torch_int4_us'] < 0.97 * r['ours_us'] else ' '}"
-                             for r in rows[i:i + len(MS)])
+            cells = " ".join(f"{r['picked_us']:5.1f}/{r['torch_int4_us']:5.1f}{'t' if r['path'] == 'torch' else ' '}"
+                             f"{'!' if r['picked_us'] > 1.03 * r['torch_int4_us'] else ' '}" for r in rows[i:i + len(MS)])
             log(f"{r0['model']:>12} {r0['linear']:>9} {r0['K']:>5}x{r0['N']:<6} g{r0['group']:<3} {cells}")
     if "sdpa" in report:
         log("\nSDPA (us; Hq 32, Hkv 8, D 128)")
@@ -891,6 +894,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_kernels.json", help="the JSON file, rewritten after every section")
     ap.add_argument("--only", default="check,gemm,sdpa,model", help="sections: check, gemm, dispatch, sdpa, model, profile")
+    ap.add_argument("--forced", action="store_true", help="dispatch: also time each of our kernels forced")
     ap.add_argument("--tune", action="store_true", help="tune the launch configurations first (and install them)")
     ap.add_argument("--tune-sdpa", action="store_true", help="with --tune: SDPA's as well")
     args = ap.parse_args()
@@ -905,7 +909,7 @@ def main():
     sections = args.only.split(",")
     plan = [("check", section_check)] * ("check" in sections) + \
         [("tune", lambda r: section_tune(r, sdpa=args.tune_sdpa))] * args.tune + \
-        [(n, f) for n, f in (("gemm", section_gemm), ("dispatch", section_dispatch), ("sdpa", section_sdpa), ("model", section_model),
+        [(n, f) for n, f in (("gemm", section_gemm), ("dispatch", lambda r: section_dispatch(r, args.forced)), ("sdpa", section_sdpa), ("model", section_model),
                               ("profile", section_profile))
          if n in sections]
     for name, fn in plan:

@@ -1,7 +1,7 @@
 """The dispatch rule applied: calls of M <= max_m rows run on the small-M kernels, larger ones on the dense path.
 
-The rule itself (`use_small_m`, and why max_m bounds every call site's shape range) is kernels/rule.py, free of
-torch so that the export path can apply it alone; docs/design.md §5.
+The rule itself (`use_small_m`, and why max_m bounds every call site's shape range; `int4_path`, which INT4 GEMM
+serves a shape) is kernels/rule.py, free of torch so that the export path can apply it alone; docs/design.md §5.
 """
 
 from __future__ import annotations
@@ -9,18 +9,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_gemm import dequantize_int4, int4_mm
-from kernels.rule import use_small_m
+from kernels.int4_gemm import dequantize_int4, int4_mm, tinygemm_mm
+from kernels.rule import int4_path, use_small_m
 from kernels.sdpa_midm import sdpa_midm, visible
 
 
-def int4_linear(x: torch.Tensor, packed, scale_zero, group: int, max_m: int, bias=None) -> torch.Tensor:
-    """x [..., K] bf16 -> [..., N]: the INT4 kernel when the rows fit, else dequantise + dense matmul."""
+def int4_matmul(x2: torch.Tensor, packed, scale_zero, group: int, tinygemm=None) -> torch.Tensor:
+    """x2 [M, K] bf16 (M <= the kernels' row limit) -> [M, N] on the faster INT4 GEMM for the shape
+    (rule.int4_path): ours, or torch's on `tinygemm` (int4_gemm.to_tinygemm of the same weights), which a
+    caller whose shape takes torch's at some M must pass."""
+    M, K = x2.shape
+    if int4_path(K, packed.shape[0], group, M) == "torch":
+        if tinygemm is None:
+            raise ValueError(f"int4_matmul: [{M}, {K}] x [{K}, {packed.shape[0]}] group {group} takes torch's int4 "
+                             f"GEMM (kernels.rule.TORCH_INT4), which needs the weights in its layout (tinygemm)")
+        return tinygemm_mm(x2, *tinygemm, group)
+    return int4_mm(x2, packed, scale_zero, group)
+
+
+def int4_linear(x: torch.Tensor, packed, scale_zero, group: int, max_m: int, bias=None,
+                tinygemm=None) -> torch.Tensor:
+    """x [..., K] bf16 -> [..., N]: the faster INT4 GEMM when the rows fit (int4_matmul), else dequantise +
+    dense matmul."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"int4_linear takes bfloat16 activations; got {x.dtype}")
     x2 = x.reshape(-1, x.shape[-1])
     if use_small_m(x2.shape[0], max_m):
-        y = int4_mm(x2, packed, scale_zero, group)
+        y = int4_matmul(x2, packed, scale_zero, group, tinygemm)
     else:
         y = x2 @ dequantize_int4(packed, scale_zero, group, x.dtype).t()
     if bias is not None:

@@ -87,6 +87,31 @@ def int4_mm_reference(x: torch.Tensor, packed, scale_zero, group: int) -> torch.
     return x @ dequantize_int4(packed, scale_zero, group, x.dtype).t()
 
 
+# ----------------------------------------------------------------------------- torch's int4 GEMM
+
+def to_tinygemm(packed, scale_zero, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our (packed, scale_zero) -> the operands of torch's int4 GEMM (tinygemm) on the same device, the same
+    weights exactly: it dequantises w = (q - 8) * scale + zero_f, so zero_f = (8 - zero) * scale. On CUDA its
+    packing takes even k in the high nibble and inner k tiles (8 where K allows) that divide K / 16 (SmolLM2's
+    K = 576 takes 4); on the CPU it takes the unpacked values."""
+    q = unpack_int4(packed).to(torch.int32)
+    inner = next(t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0)
+    if packed.is_cuda:
+        w = torch.ops.aten._convert_weight_to_int4pack(((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous(),
+                                                       inner)
+    else:
+        w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), inner)
+    s, zero = scale_zero.float().unbind(-1)
+    return w, torch.stack((s, (8 - zero) * s), dim=-1).to(torch.bfloat16).contiguous()  # [K/g, N, 2]
+
+
+def tinygemm_mm(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] bf16 times to_tinygemm's weight -> [M, N] bf16, through torch's int4 GEMM."""
+    if x.is_cuda:
+        return torch.ops.aten._weight_int4pack_mm(x, w, group, sz)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz)
+
+
 # ----------------------------------------------------------------------------- kernel
 
 @lazy_jit(do_not_specialize=["M"])

@@ -28,9 +28,9 @@ from torch import nn
 
 from kernels import dispatch
 from kernels._jit import note_launch
-from kernels.int4_gemm import quantize_int4
+from kernels.int4_gemm import quantize_int4, to_tinygemm
 from kernels.norm_rope import geglu, rms_norm, rope, swiglu
-from kernels.rule import check_max_m
+from kernels.rule import check_max_m, torch_int4_rows
 from models.layers import MLP, Attention, RMSNorm, gelu_tanh
 
 
@@ -46,9 +46,21 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_zero", scale_zero)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
                                                                   requires_grad=False)
+        # a shape that torch's int4 GEMM serves at some M <= max_m (kernels.rule.TORCH_INT4) also keeps the
+        # weights in its layout, which depends on the device: built at the first call on the current one
+        self.torch_rows = {m for m in torch_int4_rows(self.in_features, self.out_features, group) if m <= max_m}
+        self._tinygemm = None
+
+    def tinygemm(self):
+        if not self.torch_rows:
+            return None
+        if self._tinygemm is None or self._tinygemm[0].device != self.packed.device:
+            self._tinygemm = to_tinygemm(self.packed, self.scale_zero, self.group)
+        return self._tinygemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dispatch.int4_linear(x, self.packed, self.scale_zero, self.group, self.max_m, self.bias)
+        return dispatch.int4_linear(x, self.packed, self.scale_zero, self.group, self.max_m, self.bias,
+                                    self.tinygemm())
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group={self.group}, max_m={self.max_m}"

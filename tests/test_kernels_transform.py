@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from kernels import rule
 from kernels.int4_gemm import dequantize_int4
 from kernels.transform import Int4Linear, to_kernels
 from models.config import TargetConfig
@@ -42,9 +43,19 @@ def with_dequantised_weights(ref, kern):
     return ref
 
 
+@pytest.fixture(scope="module", params=["ours", "torch"])
+def gemm(request):
+    """Which INT4 GEMM the tiny shapes take: ours (the size rule moved below them) or torch's (the size rule
+    as shipped: kernels.rule.TORCH_INT4_BELOW)."""
+    shipped = rule.TORCH_INT4_BELOW
+    rule.TORCH_INT4_BELOW = 0 if request.param == "ours" else shipped
+    yield request.param
+    rule.TORCH_INT4_BELOW = shipped
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["separate", "fused"])
-def models(request):
-    """(kernel model, reference model with the dequantised weights), tiny, bf16, random init."""
+def models(request, gemm):
+    """(kernel model, reference model with the dequantised weights), tiny, bf16, random init, on `gemm`."""
     ref = Transformer(CFG).to(torch.bfloat16).eval()
     kern = to_kernels(copy.deepcopy(ref), max_m=MAX_M, group=32, fuse=request.param)
     return kern, with_dequantised_weights(ref, kern)
@@ -55,7 +66,7 @@ def rel_err(out, ref):
 
 
 @torch.no_grad()
-def test_cached_forward_matches_dequantised_model(interpret, models):
+def test_cached_forward_matches_dequantised_model(interpret, models, gemm):
     kern, ref = models
     tokens = torch.randint(0, 256, (1, 24))
     for m in (kern, ref):
@@ -65,6 +76,9 @@ def test_cached_forward_matches_dequantised_model(interpret, models):
         args = (tokens[:, pos:pos + T], torch.arange(pos, pos + T))
         assert rel_err(kern(*args), ref(*args)) < 2e-2, f"T={T}"
         pos += T
+    linears = [m for m in kern.modules() if isinstance(m, Int4Linear)]
+    # torch's GEMM keeps a copy of the weights in its own layout; ours keeps none
+    assert all((m._tinygemm is not None) == (gemm == "torch") for m in linears), gemm
 
 
 @torch.no_grad()
@@ -74,14 +88,15 @@ def test_stateless_forward_keeps_the_models_attention(interpret, models):
     assert rel_err(kern(tokens), ref(tokens)) < 2e-2
 
 
-def test_exports_with_dynamic_t(interpret, models):
+def test_exports_with_dynamic_t(interpret, models, gemm):
     kern, _ = models
     T = torch.export.Dim("T", min=2, max=MAX_M)
     ep = torch.export.export(kern, (torch.randint(0, 256, (1, 3)), torch.arange(10, 13)),
                              dynamic_shapes=({1: T}, {0: T}), strict=False)
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     fused = any(name.endswith("_fused") for name, _ in kern.named_modules())
-    assert sum("int4_mm" in t for t in targets) == 2 * (4 if fused else 7) + 1  # per layer: qkv, o, gate|up, down
+    gemm_op = "eagle3.int4_mm" if gemm == "ours" else "_weight_int4pack_mm"
+    assert sum(gemm_op in t for t in targets) == 2 * (4 if fused else 7) + 1  # per layer: qkv, o, gate|up, down
     assert sum("sdpa_midm" in t for t in targets) == 2
     assert sum("rms_norm" in t for t in targets) == 2 * 2 + 1  # per layer: input, post-attention; final
     assert sum("eagle3.rope" in t for t in targets) == 2 * 2  # per layer: q, k
