@@ -135,10 +135,6 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"draft cache overflow: position {last} >= max_seq_len {self.cfg.max_seq_len}")
         self.valid_len = last + 1
 
-    def set_kv_impl(self, impl: str) -> None:
-        """The cached path's implementation ("index_copy" | "llama_ops", models.layers)."""
-        self.layers[0].self_attn.set_kv_impl(impl)
-
     def reset_cache(self) -> None:
         self.layers[0].self_attn.reset_cache()
         self.valid_len = 0

@@ -72,12 +72,6 @@ class Speculator(nn.Module):
         logits, g = self.draft(tokens, feature, input_pos)
         return self.draft.to_target(torch.argmax(logits, dim=-1)), g, logits
 
-    def set_kv_impl(self, impl: str) -> None:
-        """The cached path's implementation of target and draft ("index_copy" | "llama_ops", models.layers;
-        the export runs "llama_ops"); the caches are reallocated empty."""
-        self.target.set_kv_impl(impl)
-        self.draft.set_kv_impl(impl)
-
     def reset(self) -> None:
         self.target.reset_cache()
         self.draft.reset_cache()

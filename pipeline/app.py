@@ -46,7 +46,6 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 EXIT_BAD_CONFIG = 2
 
 
-
 def job_dir_id() -> str:
     """The pid, and for a torchrun rank other than 0 `-rank<r>`: each rank is a Hydra job of its own."""
     return str(os.getpid()) + (f"-rank{distributed.rank()}" if not distributed.is_main() else "")

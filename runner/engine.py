@@ -117,8 +117,11 @@ class PteEngine:
             raise FileNotFoundError(f"no .pte at {self.path}")
         self.checked = verified or check_pte(self.path)
 
-        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (the llama:: kernels the program calls)
         from executorch.runtime import Runtime
+
+        from models.layers import load_llama_ops
+
+        load_llama_ops()  # the llama:: kernels the program calls
 
         ptd = self.path.with_suffix(".ptd")
         self.program = Runtime.get().load_program(
