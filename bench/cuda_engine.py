@@ -61,6 +61,7 @@ SHAPES = {
 DRAFT_VOCAB = 8192
 ASSISTANT_LAYERS = 4
 NEW_TOKENS = 256
+PEERS = ("greedy", "prompt_lookup_4", "assisted", "static_compiled")  # transformers' options, in this order
 
 # Gemma 3 270M's config.json (text part) as transformers 4.57 writes it: the real layers, not only the shapes.
 GEMMA3_270M = {"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
@@ -277,7 +278,8 @@ def hf_llama(target: Transformer, n_layers: int | None = None):
     return hf.to(torch.bfloat16).eval()
 
 
-def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int) -> None:
+def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int,
+           modes: tuple[str, ...] = ("plain", "exact", "int4"), peers: tuple[str, ...] = PEERS) -> None:
     from safetensors import safe_open
 
     from models import load_speculators, load_target
@@ -306,7 +308,7 @@ def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int) -> None
     hf = hf_llama(target)  # before the engine moves the target to the GPU in bf16
     small = hf_llama(target, ASSISTANT_LAYERS)
     # bf16 decoding at T = 1 / every target call at max_m rows (bit-exact across K) / the INT4 kernels at T = 1
-    for mode in ("plain", "exact", "int4"):
+    for mode in modes:
         engine = CudaEngine(spec, device="cuda", exact=mode == "exact", kernels=mode == "int4", **WINDOWS)
         rows = out["engine"][mode] = {}
         for k in range(MAX_M):
@@ -316,7 +318,7 @@ def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int) -> None
                   f"equal to K=0 on {sum(rows[k]['equal_to_k0'])} of {len(prompts)}", flush=True)
             save()
         del engine
-    sub, base = prompts[:hf_prompts], out["engine"]["plain"][0]["outputs"][:hf_prompts]
+    sub, base = prompts[:hf_prompts], out["engine"][modes[0]][0]["outputs"][:hf_prompts]
 
     def peer(name, model, **kw):
         row = out["transformers"][name] = hf_generate(model, sub, NEW_TOKENS, **kw)
@@ -327,13 +329,18 @@ def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int) -> None
               flush=True)
         save()
 
-    peer("greedy", hf)
-    peer("prompt_lookup_4", hf, prompt_lookup_num_tokens=4)
-    peer(f"assisted_{ASSISTANT_LAYERS}_layers", hf, assistant_model=small)
-    hf.generation_config.cache_implementation = "static"
-    hf.generation_config.disable_compile = True  # the documented recipe below compiles instead
-    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-    peer("static_compiled", hf)
+    for name in peers:
+        if name == "greedy":
+            peer(name, hf)
+        elif name == "prompt_lookup_4":
+            peer(name, hf, prompt_lookup_num_tokens=4)
+        elif name == "assisted":
+            peer(f"assisted_{ASSISTANT_LAYERS}_layers", hf, assistant_model=small)
+        elif name == "static_compiled":  # last: it compiles hf's forward in place
+            hf.generation_config.cache_implementation = "static"
+            hf.generation_config.disable_compile = True  # the documented recipe below compiles instead
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            peer(name, hf)
 
 
 def gemma(out: dict, save, context: int = 128) -> None:
@@ -397,6 +404,10 @@ def main() -> None:
     ap.add_argument("--store", default=None, help="preset: the store a +experiment=gpu pipeline left")
     ap.add_argument("--prompts", type=int, default=16, help="preset: held-out prompts for the engine")
     ap.add_argument("--hf-prompts", type=int, default=4, help="preset: of those, the ones transformers runs")
+    ap.add_argument("--modes", default="plain,exact,int4",
+                    help="preset: the engine's modes (plain: bf16 at T = 1; exact: every call at max_m rows; "
+                         "int4: the INT4 kernels); transformers' outputs are compared with the first")
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"preset: transformers' options, of {PEERS}")
     args = ap.parse_args()
     taus = json.load(open(args.tau)) if args.tau else {}
     if args.saved:
@@ -427,7 +438,8 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
     if "preset" in only:
-        preset(result.setdefault("preset", {}), save, args.store, args.prompts, args.hf_prompts)
+        preset(result.setdefault("preset", {}), save, args.store, args.prompts, args.hf_prompts,
+               tuple(args.modes.split(",")), tuple(p for p in PEERS if p in args.peers.split(",")))
     if "gemma" in only:
         gemma(result.setdefault("gemma", {}), save)
     save()
