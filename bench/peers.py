@@ -7,6 +7,8 @@
 Systems (every one decodes the same prompt ids for the same number of new tokens, greedy, no stop token):
 - `ours fp32 K=k` / `ours int4 K=k`: the export artifact's .pte through runner.engine.PteEngine and
   runner.generate's loop, K = 0 (target_decode) and every K in [1, max_m-1]; one load per quant.
+- `ours fp32 adaptive` / ...: the same .pte with `policy="adaptive"` (K per round in [1, max_m-1], starting
+  from the .pte's default K), set beside the best static K, which it is not told.
 - `hf greedy`, `hf pld k`, `hf assisted`: transformers' `generate` (dynamic cache, eager, fp32: a static cache
   without torch.compile measured slower here, 75 against 125 tokens/s on the embedded target) on the same
   weights read from a GGUF (ours, written by models.gguf.write_gguf; SmolLM2's original); prompt-lookup
@@ -157,7 +159,8 @@ class System:
     run: object  # (prompt_ids, n_new) -> Run
     bytes_per_step: int | None = None  # model bytes read per decode step (a target forward)
     quant: str = ""
-    chain: int | None = None
+    chain: int | None = None  # ours: K, or the largest K the adaptive policy may pick
+    policy: str = "static"  # ours: runtime.policy
     runs: list = field(default_factory=list)  # (rep, prompt index, Run)
 
 
@@ -169,16 +172,20 @@ def ours_systems(pte: Path, quant: str, target_bytes: int, chains: list[int] | N
     max_m = engine.meta["max_m"]
     ks = [0, *range(1, max_m)] if chains is None else chains
 
-    def runner(k):
+    def runner(k, policy="static"):
         def run(prompt, n):
-            res = generate(engine, prompt, chain=k, max_new_tokens=n)
-            extra = {"tau": res.tau} if k else {}
-            if k:
+            res = generate(engine, prompt, chain=k, max_new_tokens=n, policy=policy)
+            extra = {"tau": res.tau} if k != 0 else {}
+            if k != 0:
                 extra.update(verify_ms=res.verify_ms, draft_ms=res.draft_ms, rounds=res.rounds)
             return Run(res.output_ids, res.decode_tokens, res.decode_ms / 1e3, extra)
         return run
 
-    return [System(f"ours {quant} K={k}", "ours", runner(k), target_bytes, quant, k) for k in ks], engine
+    systems = [System(f"ours {quant} K={k}", "ours", runner(k), target_bytes, quant, k) for k in ks]
+    if chains is None:  # the adaptive policy over every K the .pte serves, from the .pte's default K
+        systems.append(System(f"ours {quant} adaptive", "ours", runner(None, "adaptive"), target_bytes, quant,
+                              max_m - 1, "adaptive"))
+    return systems, engine
 
 
 class _Clock:
@@ -545,7 +552,7 @@ def summarise(systems: list[System], reference: dict[int, list[int]], n_prompts:
         first = {i: r.tokens for rep, i, r in s.runs if rep == 0}
         prefixes = [common_prefix(first[i], reference[i]) for i in range(n_prompts)]
         stable = all(r.tokens == first[i] for _, i, r in s.runs)
-        row = {"system": s.name, "family": s.family, "quant": s.quant, "chain": s.chain,
+        row = {"system": s.name, "family": s.family, "quant": s.quant, "chain": s.chain, "policy": s.policy,
                "tokens_per_s_median": statistics.median(rates), "tokens_per_s_min": min(rates),
                "tokens_per_s_max": max(rates), "n_runs": len(rates),
                "decode_tokens": sum(r.decode_tokens for _, _, r in s.runs) // len(rates),
@@ -561,7 +568,8 @@ def summarise(systems: list[System], reference: dict[int, list[int]], n_prompts:
 
 
 def best_ours(rows: list[dict]) -> dict | None:
-    ours = [r for r in rows if r["family"] == "ours"]
+    """Our fastest static-K row (the adaptive rows are compared with it, not candidates)."""
+    ours = [r for r in rows if r["family"] == "ours" and r.get("policy", "static") == "static"]
     return max(ours, key=lambda r: r["tokens_per_s_median"]) if ours else None
 
 

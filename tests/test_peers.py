@@ -129,20 +129,22 @@ def test_summary_flags_mismatches_and_picks_the_best_of_ours():
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([1, 2], [1, 2]) == 2
     ref = {0: [5, 6, 7, 8]}
 
-    def system(name, family, chain, tokens, rate):
-        s = System(name, family, None, 100, "fp32", chain)
+    def system(name, family, chain, tokens, rate, policy="static"):
+        s = System(name, family, None, 100, "fp32", chain, policy)
         s.runs = [(rep, 0, Run(tokens, 3, 3 / rate, {"tau": 2.0})) for rep in range(3)]
         return s
 
     rows = summarise([system("ours fp32 K=0", "ours", 0, [5, 6, 7, 8], 50.0),
                       system("ours fp32 K=3", "ours", 3, [5, 6, 9, 9], 90.0),
+                      system("ours fp32 adaptive", "ours", 7, [5, 6, 7, 8], 95.0, "adaptive"),
                       system("llama.cpp f32", "llama.cpp", None, [5, 6, 7, 8], 120.0)], ref, 1)
     by = {r["system"]: r for r in rows}
     assert by["ours fp32 K=0"]["same_as_reference"] and by["llama.cpp f32"]["same_as_reference"]
     assert by["ours fp32 K=3"]["common_prefix_per_prompt"] == [2]
     assert by["ours fp32 K=3"]["lossless_vs_own_k0"] is False
     assert by["ours fp32 K=3"]["tokens_per_s_median"] == pytest.approx(90.0)
-    assert best_ours(rows)["system"] == "ours fp32 K=3"
+    assert by["ours fp32 adaptive"]["lossless_vs_own_k0"] is True and by["ours fp32 adaptive"]["policy"] == "adaptive"
+    assert best_ours(rows)["system"] == "ours fp32 K=3"  # the best static K; the faster adaptive row is compared with it
 
 
 def test_llama_cpp_decodes_our_greedy_tokens(tmp_path):
