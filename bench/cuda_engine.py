@@ -3,6 +3,7 @@
     python3 -m bench.cuda_engine --out $OUT/cuda_engine.json [--only check,shapes] [--tau tau.json]
     python3 -m bench.cuda_engine --from bench/results/h200-cuda-engine.json --tau bench/results/real-targets-cpu-tau.json
     python3 -m bench.cuda_engine --only preset,gemma --store outputs/store --out $OUT/peers.json
+    python3 -m bench.cuda_engine --only preset_shape --out $OUT/preset_shape.json
 
 check   transformers' greedy (fp32, its own LlamaForCausalLM) against the engine with the kernels off in
         fp32 on the same weights, 64 tokens on several prompts; and the engine in bf16 with graphs (kernels
@@ -24,6 +25,8 @@ preset  the target and draft a `+experiment=gpu` pipeline left in --store, on th
         assisted generation (a copy of the target's first ASSISTANT_LAYERS layers as the assistant), all
         greedy, one after another on the same prompts; tokens/s = new tokens / wall time of the whole
         generation (prefill included), and the engine's decode-only rate beside it.
+preset_shape  the preset's shape with random weights: the engine's K = 0 against transformers' greedy with its
+        default cache, its self-compiled static cache and a static cache under torch.compile (reduce-overhead).
 gemma   Gemma 3 270M's real layers (its config: 5 sliding-window layers to 1 global, QK-norm, (1 + w) norms,
         GeGLU, output norms) with random weights through the engine (kernels off and on) at K = 0 and every K,
         and transformers' Gemma3ForCausalLM with random weights (bf16; default and static cache), a 128-token
@@ -58,6 +61,9 @@ SHAPES = {
     "llama3_8b_int4": dict(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                            head_dim=128, intermediate_size=14336, rope_theta=500000.0),
 }
+# +experiment=gpu's target (conf/experiment/gpu.yaml) by its shape, for timings that do not depend on the weights.
+GPU_PRESET = dict(vocab_size=8192, hidden_size=1024, n_layers=20, n_heads=16, n_kv_heads=4, head_dim=64,
+                  intermediate_size=2816, tie_embeddings=True)
 DRAFT_VOCAB = 8192
 ASSISTANT_LAYERS = 4
 NEW_TOKENS = 256
@@ -343,6 +349,34 @@ def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int,
             peer(name, hf)
 
 
+def preset_shape(out: dict, save, prompt_len: int = 64) -> None:
+    """The gpu preset's shape with random weights: the engine's K=0 (bf16, graphs) against transformers' greedy
+    with its default cache, with a static cache it compiles itself, and with a static cache under
+    torch.compile(mode="reduce-overhead"). Greedy to a fixed token budget reads the same bytes and launches the
+    same kernels whatever the weights, so these rates are the trained preset's (`preset` measures the rest)."""
+    spec = random_speculator(GPU_PRESET, 512)
+    prompts = [prompt(prompt_len, GPU_PRESET["vocab_size"], seed) for seed in range(2)]
+    hf = hf_llama(spec.target)  # before the engine moves the target to bf16
+    engine = CudaEngine(spec, device="cuda", exact=False, kernels=False, **WINDOWS)
+    row = engine_generate(engine, prompts, 0, NEW_TOKENS)
+    out.update({"shape": GPU_PRESET, "prompt_len": prompt_len, "new_tokens": NEW_TOKENS,
+                "engine_k0": {k: v for k, v in row.items() if k != "outputs"}, "transformers": {}})
+    print(f"preset shape engine K=0: {row['tokens_per_s']:.0f} tokens/s", flush=True)
+    save()
+    del engine
+    for name in ("greedy", "static_auto", "static_compiled"):
+        if name != "greedy":
+            hf.generation_config.cache_implementation = "static"
+        if name == "static_compiled":
+            hf.generation_config.disable_compile = True
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        r = hf_generate(hf, prompts, NEW_TOKENS)
+        out["transformers"][name] = {k: v for k, v in r.items() if k != "outputs"}
+        print(f"preset shape transformers {name}: {r['tokens_per_s']:.0f} tokens/s (first call {r['first_call_s']:.0f} s)",
+              flush=True)
+        save()
+
+
 def gemma(out: dict, save, context: int = 128) -> None:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -440,6 +474,8 @@ def main() -> None:
     if "preset" in only:
         preset(result.setdefault("preset", {}), save, args.store, args.prompts, args.hf_prompts,
                tuple(args.modes.split(",")), tuple(p for p in PEERS if p in args.peers.split(",")))
+    if "preset_shape" in only:
+        preset_shape(result.setdefault("preset_shape", {}), save)
     if "gemma" in only:
         gemma(result.setdefault("gemma", {}), save)
     save()
