@@ -588,7 +588,7 @@ def table(result: dict) -> str:
             same += " (!= own K=0)"
         lines.append(f"{r['system']:34} {r['tokens_per_s_median']:8.1f} "
                      f"{r['tokens_per_s_min']:6.0f}-{r['tokens_per_s_max']:<6.0f} {ratio:>9} {tau:>5} "
-                     f"{mb if mb is None else format(mb, '8.1f'):>8} {floor:>11} {same:>10}")
+                     f"{'-' if mb is None else format(mb, '8.1f'):>8} {floor:>11} {same:>10}")
     return "\n".join(lines)
 
 
