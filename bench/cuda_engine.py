@@ -67,6 +67,7 @@ GPU_PRESET = dict(vocab_size=8192, hidden_size=1024, n_layers=20, n_heads=16, n_
 DRAFT_VOCAB = 8192
 ASSISTANT_LAYERS = 4
 NEW_TOKENS = 256
+MODES = ("plain", "exact", "int4")  # the engine's modes in `preset`
 PEERS = ("greedy", "prompt_lookup_4", "assisted", "static_compiled")  # transformers' options, in this order
 
 # Gemma 3 270M's config.json (text part) as transformers 4.57 writes it: the real layers, not only the shapes.
@@ -284,8 +285,24 @@ def hf_llama(target: Transformer, n_layers: int | None = None):
     return hf.to(torch.bfloat16).eval()
 
 
+def hf_option(hf, name: str, assistant=None) -> dict:
+    """Sets transformers' model up for one of its generation options and returns generate()'s extra arguments.
+    The static-cache options change hf's generation config for good (static_compiled also compiles its forward
+    in place), so they run after the others."""
+    if name == "prompt_lookup_4":
+        return {"prompt_lookup_num_tokens": 4}
+    if name == "assisted":
+        return {"assistant_model": assistant}
+    if name in ("static_auto", "static_compiled"):  # static_auto: transformers compiles its decoding step itself
+        hf.generation_config.cache_implementation = "static"
+    if name == "static_compiled":
+        hf.generation_config.disable_compile = True  # the documented recipe below compiles instead
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    return {}
+
+
 def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int,
-           modes: tuple[str, ...] = ("plain", "exact", "int4"), peers: tuple[str, ...] = PEERS) -> None:
+           modes: tuple[str, ...] = MODES, peers: tuple[str, ...] = PEERS) -> None:
     from safetensors import safe_open
 
     from models import load_speculators, load_target
@@ -336,17 +353,7 @@ def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int,
         save()
 
     for name in peers:
-        if name == "greedy":
-            peer(name, hf)
-        elif name == "prompt_lookup_4":
-            peer(name, hf, prompt_lookup_num_tokens=4)
-        elif name == "assisted":
-            peer(f"assisted_{ASSISTANT_LAYERS}_layers", hf, assistant_model=small)
-        elif name == "static_compiled":  # last: it compiles hf's forward in place
-            hf.generation_config.cache_implementation = "static"
-            hf.generation_config.disable_compile = True  # the documented recipe below compiles instead
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-            peer(name, hf)
+        peer(f"assisted_{ASSISTANT_LAYERS}_layers" if name == "assisted" else name, hf, **hf_option(hf, name, small))
 
 
 def preset_shape(out: dict, save, prompt_len: int = 64) -> None:
@@ -365,12 +372,7 @@ def preset_shape(out: dict, save, prompt_len: int = 64) -> None:
     save()
     del engine
     for name in ("greedy", "static_auto", "static_compiled"):
-        if name != "greedy":
-            hf.generation_config.cache_implementation = "static"
-        if name == "static_compiled":
-            hf.generation_config.disable_compile = True
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-        r = hf_generate(hf, prompts, NEW_TOKENS)
+        r = hf_generate(hf, prompts, NEW_TOKENS, **hf_option(hf, name))
         out["transformers"][name] = {k: v for k, v in r.items() if k != "outputs"}
         print(f"preset shape transformers {name}: {r['tokens_per_s']:.0f} tokens/s (first call {r['first_call_s']:.0f} s)",
               flush=True)
@@ -438,11 +440,14 @@ def main() -> None:
     ap.add_argument("--store", default=None, help="preset: the store a +experiment=gpu pipeline left")
     ap.add_argument("--prompts", type=int, default=16, help="preset: held-out prompts for the engine")
     ap.add_argument("--hf-prompts", type=int, default=4, help="preset: of those, the ones transformers runs")
-    ap.add_argument("--modes", default="plain,exact,int4",
+    ap.add_argument("--modes", default=",".join(MODES),
                     help="preset: the engine's modes (plain: bf16 at T = 1; exact: every call at max_m rows; "
                          "int4: the INT4 kernels); transformers' outputs are compared with the first")
     ap.add_argument("--peers", default=",".join(PEERS), help=f"preset: transformers' options, of {PEERS}")
     args = ap.parse_args()
+    for flag, chosen, known in (("--modes", args.modes, MODES), ("--peers", args.peers, PEERS)):
+        if unknown := set(chosen.split(",")) - set(known):
+            ap.error(f"{flag}: unknown {sorted(unknown)}; expected a comma-separated subset of {', '.join(known)}")
     taus = json.load(open(args.tau)) if args.tau else {}
     if args.saved:
         saved = json.load(open(args.saved))
