@@ -629,8 +629,8 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
         tokenizer, chat_template = gguf_tokenizer(link_dir(original))
         prompt_format = "chat"
         ggufs["Q4_1"] = original
-        if "fp32" in picked:
-            target_model = load_target(picked["fp32"]["target_path"])
+        if picked:  # every export of this target shares one target artifact: its bytes per step
+            target_model = load_target(next(iter(picked.values()))["target_path"])
         if args.smollm2_f32_gguf:
             path = WORK / "smollm2-135m-dequantised-f32.gguf"
             if not path.is_file():
@@ -655,9 +655,8 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
     for quant in [q for q in args.quants if q in picked]:
         e = picked[quant]
         pte = e["path"] / "model.pte"
-        model_for_bytes = target_model if target_model is not None else None
-        nbytes = target_weight_bytes(model_for_bytes, quant, int(e["export"].get("group_size", 32))) \
-            if model_for_bytes is not None else None
+        nbytes = target_weight_bytes(target_model, quant, int(e["export"].get("group_size", 32))) \
+            if target_model is not None else None
         rows, engine = ours_systems(pte, quant, nbytes, args.chains)
         systems += rows
         engines[quant] = (engine, e)
