@@ -21,12 +21,12 @@ shapes  random weights in the shapes of the supported real targets (bf16 dense, 
 preset  the target and draft a `+experiment=gpu` pipeline left in --store, on the held-out taps' prompts
         (their first held_out_prompt_len tokens, max_new_tokens 256): the engine (bf16, CUDA graphs) at K = 0
         and every K, against the same weights in transformers' LlamaForCausalLM (bf16) with its default cache,
-        with a static cache and `torch.compile` (mode reduce-overhead), with prompt-lookup decoding and with
+        with a static cache that generate() compiles (`hf_option`), with prompt-lookup decoding and with
         assisted generation (a copy of the target's first ASSISTANT_LAYERS layers as the assistant), all
         greedy, one after another on the same prompts; tokens/s = new tokens / wall time of the whole
         generation (prefill included), and the engine's decode-only rate beside it.
 preset_shape  the preset's shape with random weights: the engine's K = 0 against transformers' greedy with its
-        default cache, its self-compiled static cache and a static cache under torch.compile (reduce-overhead).
+        default cache and with its compiled static cache.
 gemma   Gemma 3 270M's real layers (its config: 5 sliding-window layers to 1 global, QK-norm, (1 + w) norms,
         GeGLU, output norms) with random weights through the engine (kernels off and on) at K = 0 and every K,
         and transformers' Gemma3ForCausalLM with random weights (bf16; default and static cache), a 128-token
@@ -287,17 +287,18 @@ def hf_llama(target: Transformer, n_layers: int | None = None):
 
 def hf_option(hf, name: str, assistant=None) -> dict:
     """Sets transformers' model up for one of its generation options and returns generate()'s extra arguments.
-    The static-cache options change hf's generation config for good (static_compiled also compiles its forward
-    in place), so they run after the others."""
+
+    static_compiled is transformers' own recipe: a static cache, under which generate() compiles the decoding
+    step itself (its CompileConfig: inductor, CUDA graphs). It changes hf's generation config for good, so it
+    runs last. Compiling `hf.forward` by hand (`torch.compile(mode="reduce-overhead")`, the older recipe) does
+    not run on torch 2.11 with this static cache: its graphs are dropped for the cache's mutated counters, then
+    the process crashes (bench/results/h200-gpu-preset.json, `preset_shape`)."""
     if name == "prompt_lookup_4":
         return {"prompt_lookup_num_tokens": 4}
     if name == "assisted":
         return {"assistant_model": assistant}
-    if name in ("static_auto", "static_compiled"):  # static_auto: transformers compiles its decoding step itself
-        hf.generation_config.cache_implementation = "static"
     if name == "static_compiled":
-        hf.generation_config.disable_compile = True  # the documented recipe below compiles instead
-        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        hf.generation_config.cache_implementation = "static"
     return {}
 
 
@@ -358,9 +359,8 @@ def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int,
 
 def preset_shape(out: dict, save, prompt_len: int = 64) -> None:
     """The gpu preset's shape with random weights: the engine's K=0 (bf16, graphs) against transformers' greedy
-    with its default cache, with a static cache it compiles itself, and with a static cache under
-    torch.compile(mode="reduce-overhead"). Greedy to a fixed token budget reads the same bytes and launches the
-    same kernels whatever the weights, so these rates are the trained preset's (`preset` measures the rest)."""
+    with its default cache and with its compiled static cache. Greedy to a fixed token budget reads the same
+    bytes and launches the same kernels whatever the weights, so these rates are the trained preset's (`preset` measures the rest)."""
     spec = random_speculator(GPU_PRESET, 512)
     prompts = [prompt(prompt_len, GPU_PRESET["vocab_size"], seed) for seed in range(2)]
     hf = hf_llama(spec.target)  # before the engine moves the target to bf16
@@ -371,7 +371,7 @@ def preset_shape(out: dict, save, prompt_len: int = 64) -> None:
     print(f"preset shape engine K=0: {row['tokens_per_s']:.0f} tokens/s", flush=True)
     save()
     del engine
-    for name in ("greedy", "static_auto", "static_compiled"):
+    for name in ("greedy", "static_compiled"):
         r = hf_generate(hf, prompts, NEW_TOKENS, **hf_option(hf, name))
         out["transformers"][name] = {k: v for k, v in r.items() if k != "outputs"}
         print(f"preset shape transformers {name}: {r['tokens_per_s']:.0f} tokens/s (first call {r['first_call_s']:.0f} s)",
