@@ -308,7 +308,8 @@ class Job:
 
 def set_threads(cfg: DictConfig, jobs_at_once: int = 1) -> None:
     """torch threads: `threads`, or the cores shared among the jobs running at once (oversubscribed
-    OpenMP threads spin against each other: 2 threads on 1 free core ran 5-8x slower here)."""
+    OpenMP threads spin against each other: 2 threads on 1 free core ran 5-8x slower here). The ExecuTorch
+    runtime's pool follows torch's count when the process loads its first .pte (runner.engine.size_runtime_pool)."""
     cores = os.cpu_count() or 1
     n = int(cfg.get("threads") or max(1, cores // max(1, jobs_at_once)))
     if "torch" in sys.modules:

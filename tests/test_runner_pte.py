@@ -221,3 +221,19 @@ def test_the_command_line_runner_refuses_a_changed_pte(tiny_pte, tmp_path):
                          cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert res.returncode == 2, res.stderr
     assert res.stderr.startswith(f"error: {path} has sha256 ") and recorded in res.stderr
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_runtime_pool_takes_torchs_thread_count_at_the_first_load(tiny_pte, threads):
+    """In a fresh process (the pool is sized once per process): the XNNPACK pool follows torch's count, which
+    the pipeline's `threads` sets, and a second load leaves it as the first one sized it."""
+    import pathlib
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); from runner.engine import PteEngine; "
+            "from executorch.extension.pybindings import portable_lib as p; PteEngine(sys.argv[1]); "
+            "torch.set_num_threads(3); PteEngine(sys.argv[1]); print('pool', p._threadpool_get_thread_count())")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_pte.path), str(threads)], capture_output=True,
+                         text=True, check=True, cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert out.stdout.strip().splitlines()[-1] == f"pool {threads}"
