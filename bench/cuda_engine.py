@@ -40,6 +40,7 @@ import dataclasses
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -61,9 +62,6 @@ SHAPES = {
     "llama3_8b_int4": dict(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                            head_dim=128, intermediate_size=14336, rope_theta=500000.0),
 }
-# +experiment=gpu's target (conf/experiment/gpu.yaml) by its shape, for timings that do not depend on the weights.
-GPU_PRESET = dict(vocab_size=8192, hidden_size=1024, n_layers=20, n_heads=16, n_kv_heads=4, head_dim=64,
-                  intermediate_size=2816, tie_embeddings=True)
 DRAFT_VOCAB = 8192
 ASSISTANT_LAYERS = 4
 NEW_TOKENS = 256
@@ -99,6 +97,19 @@ def random_speculator(shape: dict, max_seq_len: int, seed: int = 0) -> Speculato
     with torch.no_grad():  # PyTorch's default init: well separated logits, so bf16 noise decides no argmax
         draft.embed_tokens.weight.copy_(target.embed_tokens.weight)
     return Speculator(target.eval(), draft.eval())
+
+
+def gpu_preset_shape() -> dict:
+    """+experiment=gpu's target shape as its config composes it: the embedded default's model fields
+    (conf/target/tiny.yaml) under conf/experiment/gpu.yaml's sizes. Plain YAML, no Hydra: the GPU machine has
+    PyYAML only; the keys tiny.yaml interpolates (vocab_size, max_seq_len, tap_layers) are set here or left out."""
+    import yaml
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    model = yaml.safe_load((conf / "target/tiny.yaml").read_text())["model"]
+    gpu = yaml.safe_load((conf / "experiment/gpu.yaml").read_text())["target"]
+    shape = {k: v for k, v in model.items() if k not in ("vocab_size", "max_seq_len", "tap_layers")}
+    return {**shape, **gpu["model"], "vocab_size": gpu["tokenizer"]["vocab_size"]}
 
 
 def prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -360,13 +371,15 @@ def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int,
 def preset_shape(out: dict, save, prompt_len: int = 64) -> None:
     """The gpu preset's shape with random weights: the engine's K=0 (bf16, graphs) against transformers' greedy
     with its default cache and with its compiled static cache. Greedy to a fixed token budget reads the same
-    bytes and launches the same kernels whatever the weights, so these rates are the trained preset's (`preset` measures the rest)."""
-    spec = random_speculator(GPU_PRESET, 512)
-    prompts = [prompt(prompt_len, GPU_PRESET["vocab_size"], seed) for seed in range(2)]
+    bytes and launches the same kernels whatever the weights, so these rates are the trained preset's
+    (`preset` measures the rest)."""
+    shape = gpu_preset_shape()
+    spec = random_speculator(shape, 512)
+    prompts = [prompt(prompt_len, shape["vocab_size"], seed) for seed in range(2)]
     hf = hf_llama(spec.target)  # before the engine moves the target to bf16
     engine = CudaEngine(spec, device="cuda", exact=False, kernels=False, **WINDOWS)
     row = engine_generate(engine, prompts, 0, NEW_TOKENS)
-    out.update({"shape": GPU_PRESET, "prompt_len": prompt_len, "new_tokens": NEW_TOKENS,
+    out.update({"shape": shape, "prompt_len": prompt_len, "new_tokens": NEW_TOKENS,
                 "engine_k0": {k: v for k, v in row.items() if k != "outputs"}, "transformers": {}})
     print(f"preset shape engine K=0: {row['tokens_per_s']:.0f} tokens/s", flush=True)
     save()

@@ -64,7 +64,6 @@ import os
 import platform
 import re
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -354,39 +353,16 @@ def export_vd(target_config: dict, n_layers: int, used: torch.Tensor, draft_over
     return path, report, False
 
 
-def summarize(ms: list[float], unit: list[float] | None = None) -> dict:
-    q = statistics.quantiles(ms, n=10)
-    out = {"median_ms": round(statistics.median(ms), 4), "p10_ms": round(q[0], 4), "p90_ms": round(q[-1], 4),
-           "n": len(ms)}
-    if unit:
-        out["x_decode"] = round(statistics.median(ms) / statistics.median(unit), 4)
-        out["x_decode_p10"] = round(q[0] / statistics.quantiles(unit, n=10)[0], 4)
-    return out
-
-
 def measure(programs: dict[str, tuple[Path, list[str]]], calls: int, warmup: int, reps: int) -> dict:
-    """{name: {case: summary}} for the given cases of each program (bench/export_latency.Bench), all loaded in
-    this process and timed interleaved: `reps` repetitions, each `calls // reps` calls of every case of every
-    program in turn."""
-    from bench.export_latency import Bench
+    """{name: {case: summary}} for the given cases of each program, all loaded in this process and timed
+    interleaved (bench/export_latency.measure_all)."""
+    from bench.export_latency import measure_all
 
+    names = list(programs)
     with quiet.native_stderr():
-        benches = {name: (Bench(path), cases) for name, (path, cases) in programs.items()}
-    for b, cases in benches.values():
-        for case in cases:
-            b.run(case, warmup)
-        b.times = {case: [] for case in cases}
-    per = max(1, calls // reps)
-    for _ in range(reps):
-        for b, cases in benches.values():
-            for case in cases:
-                b.run(case, per)
-    out = {}
-    for name, (b, cases) in benches.items():
-        unit = b.times["target_decode T=1"]
-        out[name] = {"file": str(b.path), "bytes": b.row["bytes"], "quant": b.row["quant"], "max_m": b.row["max_m"],
-                     **{case: summarize(b.times[case], unit) for case in cases}}
-    return out
+        rows = measure_all([programs[n][0] for n in names], calls, warmup, reps, [programs[n][1] for n in names])
+    keep = ("file", "bytes", "quant", "max_m")
+    return {n: {k: v for k, v in row.items() if k in keep or k in programs[n][1]} for n, row in zip(names, rows)}
 
 
 STEP = "draft_decode T=1 back to back"

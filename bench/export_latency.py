@@ -131,31 +131,38 @@ class Bench:
                 if timed:
                     self.times[name].append(ms)
 
-    def result(self) -> dict:
+    def result(self, cases=None) -> dict:
+        """The program's row with, for each of `cases` (default: all), median / 10th / 90th percentile ms,
+        the sample count and the ratios to target_decode T=1 (of the medians and of the 10th percentiles)."""
         row = dict(self.row)
         base = statistics.median(self.times["target_decode T=1"])
         base10 = statistics.quantiles(self.times["target_decode T=1"], n=10)[0]
-        for name, ms in self.times.items():
+        for name in cases or self.times:
+            ms = self.times[name]
             q = statistics.quantiles(ms, n=10)
             med = statistics.median(ms)
-            row[name] = {"median_ms": round(med, 3), "p10_ms": round(q[0], 3), "p90_ms": round(q[-1], 3),
-                         "x_decode": round(med / base, 3), "x_decode_p10": round(q[0] / base10, 3)}
+            row[name] = {"median_ms": round(med, 4), "p10_ms": round(q[0], 4), "p90_ms": round(q[-1], 4),
+                         "n": len(ms), "x_decode": round(med / base, 4), "x_decode_p10": round(q[0] / base10, 4)}
         return row
 
 
-def measure_all(paths: list[Path], calls: int, warmup: int, reps: int) -> list[dict]:
-    """Time every case of every program, interleaved: `reps` repetitions of `calls // reps` calls each."""
+def measure_all(paths: list[Path], calls: int, warmup: int, reps: int,
+                cases: list[list[str]] | None = None) -> list[dict]:
+    """Time the cases of every program (`cases[i]` for paths[i], default all; target_decode T=1 always, as the
+    unit), interleaved: `reps` repetitions of `calls // reps` calls each."""
     benches = [Bench(Path(p)) for p in paths]
-    for b in benches:
-        for name in b.cases:
+    chosen = [list(b.cases) if cases is None else list(dict.fromkeys(["target_decode T=1", *cases[i]]))
+              for i, b in enumerate(benches)]
+    for b, names in zip(benches, chosen):
+        for name in names:
             b.run(name, warmup)
-        b.times = {name: [] for name in b.cases}
+        b.times = {name: [] for name in names}
     per = max(1, calls // reps)
     for _ in range(reps):
-        for b in benches:
-            for name in b.cases:
+        for b, names in zip(benches, chosen):
+            for name in names:
                 b.run(name, per if "prefill" not in name else max(1, per // 10))
-    return [b.result() for b in benches]
+    return [b.result(names) for b, names in zip(benches, chosen)]
 
 
 def row_tile(quants=("none", "int4"), max_rows: int = 16, reps: int = 30) -> dict:
