@@ -226,7 +226,9 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
         portable_lib._unsafe_reset_threadpool(args.threads)
-        result = {"load_avg_1min": os.getloadavg()[0], **row_tile()}
+        from pipeline.hardware import cpu_fingerprint
+
+        result = {"machine": cpu_fingerprint(), "load_avg_1min": os.getloadavg()[0], **row_tile()}
         for q in ("none", "int4"):
             print(f"{q:5} T=1 {result[q]['m1_p10_ms']:.3f} ms; time(M)/time(1), M = 1..16: {result[q]['ratio_to_m1']}")
         if args.json:
@@ -268,8 +270,10 @@ def main(argv=None) -> int:
         if "delegate_calls" in row:
             print(f"  delegate calls {row['delegate_calls']}, ops outside {row['n_ops_outside_delegate']}")
     if args.json:
-        args.json.write_text(json.dumps({"load_avg_1min": os.getloadavg()[0], "threads": args.threads,
-                                         "rows": rows}, indent=1))
+        from pipeline.hardware import cpu_fingerprint
+
+        args.json.write_text(json.dumps({"machine": cpu_fingerprint(), "load_avg_1min": os.getloadavg()[0],
+                                         "threads": args.threads, "rows": rows}, indent=1))
     return 0
 
 

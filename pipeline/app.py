@@ -34,7 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline import distributed, stages, tracking
+from pipeline import distributed, hardware, stages, tracking
 from pipeline.sweep import RESULT_FILE
 from pipeline.store import Artifact, Store, cache_key, git_commit
 from pipeline.validate import ConfigError, check_config
@@ -106,7 +106,11 @@ def add_fingerprints(cfg: DictConfig, mods: dict[str, ModuleType]) -> None:
 
 
 def plan_keys(cfg: DictConfig, mods: dict[str, ModuleType]) -> dict[str, str | None]:
-    """{stage: cache key} for the given stage modules in order (None for the eval stage)."""
+    """{stage: cache key} for the given stage modules in order (None for the eval stage). The config's `auto`
+    values must be resolved first (pipeline.hardware.resolve): a key holds what a stage uses."""
+    if left := hardware.unresolved(cfg):
+        raise ValueError(f"{', '.join(left)} = auto: resolve the machine's values (pipeline.hardware.resolve) "
+                         "before computing cache keys")
     keys: dict[str, str | None] = {}
     for name, mod in mods.items():
         if not stages.content_addressed(mod):
@@ -163,6 +167,7 @@ class Job:
         process would and the other ranks `help` it (they return {})."""
         names = stages_until(self.cfg)
         mods = {name: stages.load(name, self.cfg.stage_package) for name in names}
+        hardware.resolve(self.cfg)  # `auto` -> this machine's values (main has done it already; a no-op then)
         add_fingerprints(self.cfg, mods)
         keys = plan_keys(self.cfg, mods)
         if not distributed.is_main():
@@ -306,16 +311,16 @@ class Job:
         return "\n".join(lines)
 
 
-def set_threads(cfg: DictConfig, jobs_at_once: int = 1) -> None:
-    """torch threads: `threads`, or the cores shared among the jobs running at once (oversubscribed
-    OpenMP threads spin against each other: 2 threads on 1 free core ran 5-8x slower here). The ExecuTorch
-    runtime's pool follows torch's count when the process loads its first .pte (runner.engine.size_runtime_pool)."""
-    cores = os.cpu_count() or 1
-    n = int(cfg.get("threads") or max(1, cores // max(1, jobs_at_once)))
+def set_threads(cfg: DictConfig, jobs_at_once: int = 1) -> int:
+    """torch threads: `threads`, or the cores this process may use shared among the jobs running at once
+    (pipeline.hardware). The ExecuTorch runtime's pool follows torch's count when the process loads its first
+    .pte (runner.engine.size_runtime_pool). -> the count."""
+    n = int(cfg.get("threads") or max(1, hardware.usable_cores() // max(1, jobs_at_once)))
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(n)
     else:
         os.environ["OMP_NUM_THREADS"] = str(n)  # read by torch when it is first imported
+    return n
 
 
 def parallel_jobs(hc) -> int:
@@ -324,7 +329,7 @@ def parallel_jobs(hc) -> int:
     if "joblib" not in str(launcher.get("_target_", "")).lower():
         return 1
     n = int(launcher.get("n_jobs") or 1)
-    return (os.cpu_count() or 1) if n < 0 else n
+    return hardware.usable_cores() if n < 0 else n
 
 
 def _interrupt(signum, frame):
@@ -339,7 +344,10 @@ def main(cfg: DictConfig) -> None:
     multirun = hc.mode == RunMode.MULTIRUN
     job_dir, job_num, overrides = Path(hc.runtime.output_dir), hc.job.num if multirun else 0, list(hc.overrides.task)
     try:
-        check_config(cfg)
+        check_config(cfg)  # every value, in a second, before anything is measured or built
+        resolved = hardware.resolve(cfg)  # `auto` -> this machine's value, before any key is computed
+        if resolved:
+            check_config(cfg)  # what depends on the resolved values (runtime.chain against max_m)
     except ConfigError as e:
         write_result(job_dir, job_num=job_num, overrides=overrides, status="failed", error=str(e))
         log.error("%s", e)

@@ -122,6 +122,10 @@ def check_config(cfg: DictConfig) -> None:
     if c.get("data.prompt_format") is not None:
         c.choice("data.prompt_format", ("plain", "chat"))
 
+    for group in ("target", "draft"):
+        if c.get(f"{group}.train") is not None and c.get(f"{group}.train.autocast") is not None:
+            c.choice(f"{group}.train.autocast", ("auto", "bfloat16"))  # null = fp32
+
     c.choice("taps.source", ("generate", "corpus"))
     for key in ("seq_len", "train_sequences", "held_out_sequences", "shard_sequences", "batch_size"):
         c.int_in(f"taps.{key}", 1)
@@ -139,15 +143,19 @@ def check_config(cfg: DictConfig) -> None:
                    "global batch, split among them)")
 
     max_m = c.get("export.max_m") if c.int_in("export.max_m", 2) else None
-    ints = [c.int_in("export.default_chain", 1), c.int_in("export.max_prefill_chunk", 1),
+    # default_chain `auto` (pipeline.hardware) is at most DEFAULT_CHAIN; it is checked as itself once resolved
+    chain_ok = c.get("export.default_chain") == "auto" or c.int_in("export.default_chain", 1)
+    ints = [chain_ok, c.int_in("export.max_prefill_chunk", 1),
             c.int_in("export.min_prefill_chunk", 1, nullable=True), c.int_in("export.group_size", 2)]
     max_seq_len = c.get("target.max_seq_len")
     if max_m is not None and all(ints) and _is_int(max_seq_len):  # target=hf with null: checked at export
-        from pipeline.export_pte import check_export_args
+        from pipeline.export_pte import DEFAULT_CHAIN, check_export_args
 
         min_prefill = c.get("export.min_prefill_chunk")
+        default_chain = c.get("export.default_chain")
         try:
-            check_export_args(max_m=max_m, default_chain=c.get("export.default_chain"),
+            check_export_args(max_m=max_m, default_chain=min(DEFAULT_CHAIN, max_m - 1) if default_chain == "auto"
+                              else default_chain,
                               min_prefill_chunk=max_m + 1 if min_prefill is None else min_prefill,
                               max_prefill_chunk=c.get("export.max_prefill_chunk"), max_seq_len=max_seq_len,
                               backend=c.get("export.backend"), quant=c.get("export.quant"),

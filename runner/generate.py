@@ -346,6 +346,29 @@ class StaticChain:
         pass
 
 
+def measure_window_costs(engine, reps: int = 3) -> dict[int, float]:
+    """{T: ms} of one target_verify call at every window T in [2, max_m] on this engine, the best of `reps`
+    after a warm-up call, at positions 0..T-1 (which the next generation's prefill rewrites). Measured once
+    per engine and kept on it: the verify cost is a step function of T on a CPU (XNNPACK's GEMM takes 7 or 8
+    rows a pass on AVX-512, 6 or 3 on AVX2, and a window one row past a pass reads the weights again), which
+    the adaptive policy must know before it has tried a window."""
+    cached = getattr(engine, "window_costs", None)
+    if cached is not None:
+        return cached
+    costs = {}
+    for t in range(2, engine.meta["max_m"] + 1):
+        tokens, pos = _t([0] * t), _pos(0, t)
+        engine.target_verify(tokens, pos)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            engine.target_verify(tokens, pos)
+            best = min(best, (time.perf_counter() - t0) * 1e3)
+        costs[t] = best
+    engine.window_costs = costs
+    return costs
+
+
 class AdaptiveChain:
     """Picks each round's K in [1, max_k] to maximise expected tokens per millisecond,
     predicted_tau(alpha[:K]) / (verify_ms(K+1) + K * draft_step_ms).
@@ -355,12 +378,15 @@ class AdaptiveChain:
     text, and a position that a short K stopped reaching drifts back to the prior and is tried again.
     Round timings on a shared CPU are noisy, so the costs are robust: verify_ms(T) is a fading mean per
     window size (a sample is clipped at twice the current mean), made non-decreasing in T (pool adjacent
-    violators), and read at the nearest measured size at or below T (an untried larger window looks as
-    cheap as the largest tried one, so it gets tried); draft_step_ms is a fading mean per draft call."""
+    violators). A window not tried yet is priced from `window_costs` ({T: ms} measured on the engine before
+    the first round, `measure_window_costs`) scaled to the nearest tried window, so a window one row past the
+    GEMM's row tile is known to be dear before it is tried; without them it reads as the nearest tried size
+    at or below T (so it gets tried). draft_step_ms is a fading mean per draft call."""
 
     def __init__(self, max_k: int, start_k: int, prior: float = 0.8, prior_weight: float = 2.0,
-                 memory: float = 0.97):
+                 memory: float = 0.97, window_costs: dict[int, float] | None = None):
         self.max_k, self.k, self.memory = max_k, start_k, memory
+        self.window_costs = window_costs or {}
         self.prior_acc, self.prior_reach = prior * prior_weight, prior_weight
         self.acc = [self.prior_acc] * max_k
         self.reach = [self.prior_reach] * max_k
@@ -383,6 +409,12 @@ class AdaptiveChain:
 
     def verify_cost(self, t: int, costs: dict[int, float] | None = None) -> float:
         costs = self.verify_costs() if costs is None else costs
+        if t in costs:
+            return costs[t]
+        if t in self.window_costs:  # untried: its measured cost, scaled as the nearest tried window's
+            near = min((s for s in costs if s in self.window_costs), key=lambda s: abs(s - t), default=None)
+            if near is not None:
+                return self.window_costs[t] * costs[near] / self.window_costs[near]
         below = [s for s in costs if s <= t]
         return costs[max(below)] if below else costs[min(costs)]
 
@@ -477,6 +509,8 @@ def generate(
     result = GenerationResult(prompt_ids=prompt, output_ids=[], chain=k_max)
     sampler = Sampler(temperature, seed)
     out = Emitter(max_new_tokens, stop_ids)
+    # before the prefill: measuring writes the cache at positions 0..max_m-1
+    window_costs = measure_window_costs(engine) if policy == "adaptive" and k_max > 0 else None
     engine.reset()
 
     # Prompt: target prefill (the bonus token), then seed the draft with (prompt[1:] + [bonus], F[0:L]).
@@ -489,7 +523,8 @@ def generate(
     if k_max > 0 and not out.done:
         draft = Draft(engine, sampler)
         first = draft.seed(prompt[1:] + [anchor], pre.features, 0)
-        chooser = AdaptiveChain(meta["max_m"] - 1, k_max) if policy == "adaptive" else StaticChain(k_max)
+        chooser = (AdaptiveChain(meta["max_m"] - 1, k_max, window_costs=window_costs)
+                   if policy == "adaptive" else StaticChain(k_max))
         if on_device:
             engine.begin_rounds(first[0], draft.g)
     result.prefill_ms = (time.perf_counter() - t0) * 1e3

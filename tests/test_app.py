@@ -6,17 +6,22 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from hydra import compose, initialize_config_dir
 
-from pipeline import stages
+from pipeline import hardware, stages
 from pipeline.app import CONF_DIR, needed_stages, plan_keys, stages_until
 from pipeline.store import Store
 from pipeline_fakes import SPECS, run_app, write_fake_stages
 
 
-def compose_cfg(*overrides: str):
+def compose_cfg(*overrides: str, resolve: bool = True):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        cfg = compose(config_name="config", overrides=list(overrides))
+    if resolve:
+        hardware.resolve(cfg)
+    return cfg
 
 
 def stage_modules() -> dict:
@@ -75,6 +80,37 @@ def test_same_config_gives_the_same_keys():
 
 def test_runtime_chain_does_not_change_the_export_key():
     assert export_key("runtime.chain=1") == export_key("runtime.chain=4") == export_key()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_autocast_keys_as_the_dtype_this_machine_computes_natively(monkeypatch, native):
+    """auto resolves to bfloat16 where the device has native bf16 and to fp32 (null) elsewhere, and the key
+    holds the resolved dtype: auto builds the artifact an explicit choice of that dtype builds."""
+    monkeypatch.setattr(hardware, "native_bf16", lambda device: (native, "pinned by the test"))
+    explicit = "bfloat16" if native else "null"
+    auto = compose_cfg()
+    assert auto.target.train.autocast == auto.draft.train.autocast == ("bfloat16" if native else None)
+    mods = stage_modules()
+    pinned = plan_keys(compose_cfg(f"target.train.autocast={explicit}", f"draft.train.autocast={explicit}"), mods)
+    other = "null" if native else "bfloat16"
+    assert plan_keys(auto, mods) == pinned
+    assert plan_keys(compose_cfg(f"target.train.autocast={other}"), mods)["target"] != pinned["target"]
+    assert plan_keys(compose_cfg(f"draft.train.autocast={other}"), mods)["draft"] != pinned["draft"]
+
+
+def test_an_unresolved_auto_never_reaches_a_key():
+    with pytest.raises(ValueError, match="target.train.autocast, draft.train.autocast, export.default_chain = auto"):
+        plan_keys(compose_cfg(resolve=False), stage_modules())
+
+
+@pytest.mark.parametrize("tile, quant, chain", [(7, "int4_draft", 4), (6, "none", 4), (3, "int4", 2), (2, "int4", 1)])
+def test_auto_default_chain_keeps_the_default_window_in_one_gemm_pass(monkeypatch, tile, quant, chain):
+    monkeypatch.setattr(hardware, "row_tile", lambda q: {"tile": tile, "capability": "pinned by the test"})
+    cfg = compose_cfg(f"export.quant={quant}")
+    assert cfg.export.default_chain == chain
+    assert export_key(f"export.quant={quant}") == export_key(f"export.quant={quant}", f"export.default_chain={chain}")
+    # the CUDA engine exports nothing: its default K is min(4, max_m - 1) whatever the CPU
+    assert compose_cfg(f"export.quant={quant}", "runtime.engine=cuda").export.default_chain == 4
 
 
 def test_export_max_m_changes_the_export_key():

@@ -308,6 +308,35 @@ def test_adaptive_policy_costs_are_robust_to_noisy_timings():
     assert policy.verify_costs()[6] == pytest.approx((14 + 28) / 2)
 
 
+@pytest.mark.parametrize("tile", [3, 6, 7])
+def test_adaptive_policy_never_tries_a_window_past_the_row_tile_that_costs_more_per_token(tile):
+    """A CPU verify costs a step function of T (1.2 decode steps within XNNPACK's row tile, twice that one row
+    past it). With the measured window costs the policy prices an untried window before trying it, so with
+    acceptance that makes the extra position worth less than the extra pass it never picks K = tile."""
+    window = {t: 10.0 * (1.2 if t <= tile else 2.4) for t in range(2, 9)}
+    policy = AdaptiveChain(max_k=7, start_k=1, window_costs=window)
+    chosen = []
+    for _ in range(200):
+        k = policy.choose()
+        chosen.append(k)
+        a = 0
+        while a < k and a < 7 and (len(chosen) * 7 + a) % 10 < 7:  # about 70% acceptance per position
+            a += 1
+        policy.update(k, a, verify_ms=window[k + 1] * 1.1, draft_ms=k * 0.3)  # this machine is 10% slower
+    assert max(chosen) <= tile - 1, sorted(set(chosen))
+    assert policy.verify_cost(tile + 1) == pytest.approx(window[tile + 1] * 1.1)  # scaled to what was measured
+
+
+def test_window_costs_are_measured_once_before_the_prefill_and_keep_the_output_greedy():
+    eng = ToyEngine(max_m=6, wrong=lambda r, j: j == r % 3)
+    res = generate(eng, PROMPT, chain=2, max_new_tokens=30, policy="adaptive")
+    assert sorted(eng.window_costs) == [2, 3, 4, 5, 6] and all(ms > 0 for ms in eng.window_costs.values())
+    costs = dict(eng.window_costs)
+    assert res.output_ids == greedy_reference(PROMPT, 30)
+    generate(eng, PROMPT, chain=2, max_new_tokens=30, policy="adaptive")
+    assert eng.window_costs == costs  # kept on the engine: measured once
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Rejection sampling: the emitted distribution is the target's
 

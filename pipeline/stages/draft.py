@@ -165,6 +165,7 @@ def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.Trai
         "train_seconds": round(result["train_seconds"], 1),
         "train_loss": result["loss"],  # the last step's, over the global batch (all ranks)
         "train_sequences": int(train_taps["ids"].shape[0]),
+        "autocast": tc.autocast or "float32",  # the matmul dtype used (pipeline.hardware resolves `auto`)
     }
     return draft, report
 

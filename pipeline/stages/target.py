@@ -242,7 +242,9 @@ def train(cfg: DictConfig, out: Path) -> dict:
         start = int(state["step"])
         log.info("resuming target training at step %d from %s", start, ckpt)
 
-    # bf16 matmuls (2x faster on CPUs with avx512_bf16); loss, optimizer and evaluation stay fp32.
+    # bf16 matmuls where the device has them natively (pipeline.hardware resolves `auto` before the key is
+    # computed: 2-2.5x faster on a CPU with avx512_bf16, 9x slower on one without); loss, optimizer and
+    # evaluation stay fp32.
     autocast = torch.autocast(device.type, dtype=getattr(torch, t.autocast or "float32"), enabled=bool(t.autocast))
     held = held_out_windows(held_stream, t.eval_batches * t.batch_size, t.seq_len) if len(held_stream) > 1 else None
     held_loss = float("nan")
@@ -302,6 +304,7 @@ def train(cfg: DictConfig, out: Path) -> dict:
         "held_out_bpb": held_loss / math.log(2) / held_bytes_per_token if held_bytes_per_token else float("nan"),
         "tokens_per_s": tokens_done / train_seconds if train_seconds > 0 else float("nan"),
         "train_seconds": round(train_seconds, 1),
+        "autocast": t.autocast or "float32",
     }
     log.info("target: %s params, loss %.3f, held-out loss %.3f (%.3f bits/byte), %.0f tokens/s", f"{n_params:,}",
              loss_ema or 0, held_loss, report["held_out_bpb"], report["tokens_per_s"])
