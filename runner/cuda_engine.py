@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from models import Speculator
-from runner.engine import speculator_meta
+from runner.engine import fixed_width, speculator_meta
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -89,24 +89,6 @@ class _Call:
         self.run()
         ids = self.out[0].to("cpu")  # the one synchronisation of the call
         return (ids, *self.out[1:])
-
-
-def fixed_width(spec: Speculator, width: int):
-    """(target_decode, target_verify) of spec that run every call at `width` rows (module doc, "Exact")."""
-
-    def verify(tokens: torch.Tensor, input_pos: torch.Tensor):
-        T, n = tokens.shape[-1], width - tokens.shape[-1]
-        if n:
-            tokens = torch.cat((tokens, tokens[:, -1:].expand(1, n)), dim=1)
-            input_pos = torch.cat((input_pos, input_pos[-1:] + torch.arange(1, n + 1, device=input_pos.device)))
-        ids, feature, logits = spec.target_verify(tokens, input_pos)
-        return ids[:, :T], feature[:, :T], logits[:, :T]
-
-    def decode(tokens: torch.Tensor, input_pos: torch.Tensor):
-        ids, _, logits = verify(tokens, input_pos)
-        return ids, logits
-
-    return decode, verify
 
 
 class _Round(_Call):
@@ -183,7 +165,7 @@ class CudaEngine:
         self.meta = speculator_meta(spec, max_m=max_m, default_chain=default_chain,
                                     max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,
                                     manifest_hash=manifest_hash)
-        decode, verify = fixed_width(spec, max_m) if exact else (spec.target_decode, spec.target_verify)
+        decode, verify = fixed_width(spec.target_verify, max_m) if exact else (spec.target_decode, spec.target_verify)
         if exact:
             self.meta["max_seq_len"] -= max_m - 1  # the padding rows' slots
         H = spec.draft.cfg.hidden_size

@@ -187,6 +187,56 @@ class PteEngine:
         hides slots beyond the query. (A fresh cache would need a second load_program.)"""
 
 
+def fixed_width(target_verify, width: int):
+    """(target_decode, target_verify) that run every call through `target_verify` at `width` rows: the call's
+    rows, then copies of its last token at the next positions, whose outputs are dropped. In a call of one
+    width a row's arithmetic is the same whichever row it is and whatever the call's other rows hold, so every
+    K gives K=0's tokens bit for bit (`ExactEngine`). The padding rows write cache slots past the call's last
+    position, which a later call rewrites before any query can see them."""
+
+    def verify(tokens: torch.Tensor, input_pos: torch.Tensor):
+        T, n = tokens.shape[-1], width - tokens.shape[-1]
+        if n:
+            tokens = torch.cat((tokens, tokens[:, -1:].expand(1, n)), dim=1)
+            input_pos = torch.cat((input_pos, input_pos[-1:] + torch.arange(1, n + 1, device=input_pos.device)))
+        ids, feature, logits = target_verify(tokens, input_pos)
+        return ids[:, :T], feature[:, :T], logits[:, :T]
+
+    def decode(tokens: torch.Tensor, input_pos: torch.Tensor):
+        ids, _, logits = verify(tokens, input_pos)
+        return ids, logits
+
+    return decode, verify
+
+
+class ExactEngine:
+    """Exact mode (`runtime.exact`) over an engine whose target_verify takes any T in [2, max_m] (the .pte, the
+    eager modules): after the prefill every target call, decode included, is a target_verify of `width` rows
+    (`fixed_width`). A row's logits otherwise depend on the width of its call (an 8da4w linear rounds its
+    input to int8 per row, so a 1e-7 difference from the attention kernel's T-dependent path becomes a whole
+    step and a near tie flips), and speculation would leave K=0's tokens. The prefill is the same call for
+    every K, so it stays as it is. K is at most width - 1 (`meta["max_m"]` = width), and the padding rows' slots
+    take width - 1 positions of the cache (`meta["max_seq_len"]`). The price is K=0's decode at width rows."""
+
+    def __init__(self, engine, width: int):
+        max_m = engine.meta["max_m"]
+        if not 2 <= width <= max_m:
+            raise ValueError(f"exact width {width}: a target_verify of this program takes T in [2, {max_m}]")
+        self.inner, self.width = engine, width
+        self.meta = {**engine.meta, "max_m": width, "max_seq_len": engine.meta["max_seq_len"] - (width - 1),
+                     "default_chain": min(engine.meta["default_chain"], width - 1), "exact_width": width}
+        self.target_decode, self.target_verify = fixed_width(engine.target_verify, width)
+
+    def prefill(self, tokens, input_pos):
+        return self.inner.prefill(tokens, input_pos)
+
+    def draft_decode(self, tokens, feature, input_pos):
+        return self.inner.draft_decode(tokens, feature, input_pos)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
 def speculator_meta(speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int, min_prefill_chunk: int,
                     manifest_hash: str = "") -> dict:
     """The `meta` of an engine over a models.Speculator: the windows given, the rest read off the modules."""
