@@ -185,6 +185,7 @@ def check_config(cfg: DictConfig) -> None:
         c.int_in("serve.queue_size", 0)
         c.int_in("serve.max_body_bytes", 1)
         c.number_in("serve.drain_s", 0.0)
+        c.number_in("serve.stream_interval_s", 0.0)
         if c.get("serve.model_name") is not None and not isinstance(c.get("serve.model_name"), str):
             c.fail("serve.model_name", c.get("serve.model_name"), "a string or null")
 

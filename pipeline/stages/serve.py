@@ -45,7 +45,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
                         chain=None if rt.chain is None else int(rt.chain), policy=str(rt.policy),
                         temperature=float(rt.temperature), seed=int(rt.seed), stop=tuple(rt.stop),
                         api_key=os.environ.get(API_KEY_ENV) or None, queue_size=int(sc.queue_size),
-                        max_body_bytes=int(sc.max_body_bytes))
+                        max_body_bytes=int(sc.max_body_bytes), stream_interval_s=float(sc.stream_interval_s))
     app = create_app(engine, tokenizer, settings, chat_template=load_chat_template(target_dir))
     warm_up(engine, settings.chain)
     run_server(app, str(sc.host), int(sc.port), drain_s=float(sc.drain_s),
