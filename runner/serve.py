@@ -100,7 +100,7 @@ class Settings:
     api_key: str | None = None
     queue_size: int = 16  # requests waiting behind the one decoding
     max_body_bytes: int = 1 << 20
-    stream_interval_s: float = 0.02  # a stream sends the text of the rounds since its last chunk at most this often
+    stream_interval_s: float = 0.05  # a stream sends the text of the rounds since its last chunk at most this often
 
 
 class RequestError(Exception):
