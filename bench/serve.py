@@ -215,10 +215,11 @@ def machine() -> dict:
 # Throughput: 1, 4 and 16 clients against the in-process runner
 
 
-def concurrent(server: Server, requests: list[tuple], clients: int) -> tuple[list[dict], float]:
-    """`requests` (prompt, K, max_tokens) from `clients` threads; (results in request order, wall seconds)."""
-    out: list[dict | None] = [None] * len(requests)
-    todo = list(range(len(requests)))
+def fan_out(server: Server, n: int, clients: int, work, on_answer=None) -> tuple[list, float]:
+    """`work(client, i)` for i < n from `clients` threads, each with its own openai client, taking the next i as
+    it is free; (results by i, wall seconds). `on_answer(answered)` after each."""
+    out: list = [None] * n
+    todo, done = list(range(n)), [0]
     lock = threading.Lock()
 
     def client_loop():
@@ -228,7 +229,12 @@ def concurrent(server: Server, requests: list[tuple], clients: int) -> tuple[lis
                 if not todo:
                     return
                 i = todo.pop(0)
-            out[i] = complete(client, server.model, *requests[i])
+            out[i] = work(client, i)
+            with lock:
+                done[0] += 1
+                answered = done[0]
+            if on_answer is not None:
+                on_answer(answered)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client_loop) for _ in range(clients)]
@@ -289,7 +295,7 @@ def throughput(args, engine, tokenizer, server: Server) -> dict:
         if clients == 1:
             continue
         reps = requests * max(1, clients // 4)
-        runs, wall = concurrent(server, reps, clients)
+        runs, wall = fan_out(server, len(reps), clients, lambda c, i: complete(c, server.model, *reps[i]))
         mismatched += sum(r["text"] != local[i % len(requests)]["text"] for i, r in enumerate(runs))
         levels.append(level(runs, wall, clients, "server"))
     return {"ks": ks, "prompts": args.prompts, "reps": args.reps, "prompt_len": args.prompt_len,
@@ -335,11 +341,9 @@ def load_requests(rng: random.Random, n: int, meta: dict, prompts: list[list[int
 def drive(server: Server, requests: list[dict], prompts, refs: dict, clients: int, *, on_answer=None) -> dict:
     """Send `requests` from `clients` threads; 429s are counted and retried after Retry-After. Each request ends
     as `ok` (its reference text), `mismatch`, `refused` (no response: connection refused or closed before any
-    byte, or 503) or `truncated` (a stream cut before its finish reason)."""
+    byte), `http <status>` or `truncated` (a stream cut before its finish reason)."""
     import openai
 
-    todo = list(range(len(requests)))
-    status: list[str | None] = [None] * len(requests)
     counts = {"429": 0}
     lock = threading.Lock()
 
@@ -355,31 +359,15 @@ def drive(server: Server, requests: list[dict], prompts, refs: dict, clients: in
                     counts["429"] += 1
                 time.sleep(float(e.response.headers.get("retry-after", 1)))
             except openai.APIStatusError as e:
-                return "refused" if e.status_code == 503 else f"http {e.status_code}"
+                return f"http {e.status_code}"
             except openai.APIConnectionError:  # no response: refused, or closed before one
                 return "refused"
             except Exception as e:  # the response began, then stopped short (the transport's own error)
                 return f"truncated ({type(e).__name__})"
 
-    def client_loop():
-        client = server.client()
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i = todo.pop(0)
-            status[i] = one(client, i)
-            if on_answer is not None:
-                on_answer(sum(s is not None for s in status))
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    status, wall = fan_out(server, len(requests), clients, one, on_answer)
     tally = {s: status.count(s) for s in set(status)}
-    return {"requests": len(requests), "seconds": time.perf_counter() - t0, "status": tally, "429s": counts["429"]}
+    return {"requests": len(requests), "seconds": wall, "status": tally, "429s": counts["429"]}
 
 
 def load(args, engine, tokenizer, pte: Path, tok_path: Path) -> dict:
