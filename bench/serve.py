@@ -11,12 +11,13 @@ real `openai` client, prompts as token ids (windows of this interpreter's standa
 target's tokenizer), streaming, at temperature 0.
 
 Throughput (default): a mix of per-request K (0, 1, 2, the .pte's default, max_m-1), `--prompts` prompts each.
-- 1 client: request by request, the in-process runner (runner.generate on a PteEngine in this process) and the
-  server on the same (prompt, K), interleaved (`--reps` passes), so a change of load on the shared machine hits
-  both alike. Decode tokens/s of a request = tokens after the first / time from the first to the last token:
-  in process from GenerationResult (decode_ms), at the server from the stream's chunk arrival times at the
-  client (the first chunk carries the prefill's token, the last the finish reason), and the server's own
-  (usage.tokens_per_s). Per K: medians over requests, and the median of the paired ratios server/in-process,
+- 1 client: request by request, the in-process runner (runner.generate on a PteEngine in this process), the
+  server streaming and the server answering whole, on the same (prompt, K), interleaved (`--reps` passes, the
+  order rotated), so a change of load on the shared machine hits all alike. Decode tokens/s of a request =
+  tokens after the first / time from the first to the last token: in process from GenerationResult
+  (decode_ms); streamed, from the chunks' arrival times at the client (the first chunk carries the prefill's
+  token, the last the finish reason) and from the server's own clock (usage.tokens_per_s); answered whole,
+  from the server's clock. Per K: medians over requests, and the medians of the paired ratios to in-process,
   which must lie within 5% of 1.
 - 4 and 16 clients: the same requests from that many threads at once; the server decodes one at a time, so
   aggregate tokens/s stays near the 1-client figure while time to first token grows with the queue.
@@ -261,23 +262,26 @@ def throughput(args, engine, tokenizer, server: Server) -> dict:
         in_process(engine, tokenizer, stops, prompts[0], k, 8)
         complete(client, server.model, prompts[0], k, 8)
 
-    local, remote = [], []
-    for i, req in enumerate(pairs):  # interleaved, alternating which goes first
-        if i % 2:
-            remote.append(complete(client, server.model, *req))
-            local.append(in_process(engine, tokenizer, stops, *req))
-        else:
-            local.append(in_process(engine, tokenizer, stops, *req))
-            remote.append(complete(client, server.model, *req))
-    mismatched = sum(a["text"] != b["text"] for a, b in zip(local, remote))
+    systems = {"local": lambda req: in_process(engine, tokenizer, stops, *req),
+               "stream": lambda req: complete(client, server.model, *req),
+               "whole": lambda req: complete(client, server.model, *req, stream=False)}
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    for i, req in enumerate(pairs):  # interleaved, each pass in a rotated order
+        names = list(systems)[i % 3:] + list(systems)[:i % 3]
+        for name in names:
+            runs[name].append(systems[name](req))
+    local, remote = runs["local"], runs["stream"]
+    mismatched = sum(not a["text"] == b["text"] == c["text"] for a, b, c in zip(local, remote, runs["whole"]))
     per_k = []
     for k in ks:
-        lk = [r for r, q in zip(local, pairs) if q[1] == k]
-        rk = [r for r, q in zip(remote, pairs) if q[1] == k]
+        lk, rk, wk = ([r for r, q in zip(runs[name], pairs) if q[1] == k] for name in systems)
+        own = lambda rs: statistics.median(r["usage"]["tokens_per_s"] for r in rs)  # noqa: E731
         per_k.append({"chain": k, "requests": len(lk), "in_process_tokens_per_s": median_rate(lk),
-                      "server_tokens_per_s": median_rate(rk),
-                      "server_own_tokens_per_s": statistics.median(r["usage"]["tokens_per_s"] for r in rk),
+                      "server_tokens_per_s": median_rate(rk), "server_own_tokens_per_s": own(rk),
+                      "server_whole_own_tokens_per_s": own(wk),
                       "ratio": statistics.median(rate([b]) / rate([a]) for a, b in zip(lk, rk) if rate([a])),
+                      "ratio_whole": statistics.median(w["usage"]["tokens_per_s"] / rate([a])
+                                                       for a, w in zip(lk, wk) if rate([a])),
                       "tau": statistics.mean(r["tau"] for r in lk),
                       "ttft_ms_in_process": 1e3 * statistics.median(r["ttft_s"] for r in lk),
                       "ttft_ms_server": 1e3 * statistics.median(r["ttft_s"] for r in rk)})
@@ -301,18 +305,19 @@ def throughput(args, engine, tokenizer, server: Server) -> dict:
     return {"ks": ks, "prompts": args.prompts, "reps": args.reps, "prompt_len": args.prompt_len,
             "max_tokens": max_tokens,
             "per_k": per_k, "levels": levels, "mismatched_texts": mismatched,
-            "within_5_percent": all(abs(r["ratio"] - 1) <= 0.05 for r in per_k)}
+            "within_5_percent": all(abs(r["ratio"] - 1) <= 0.05 for r in per_k),
+            "whole_within_5_percent": all(abs(r["ratio_whole"] - 1) <= 0.05 for r in per_k)}
 
 
 def print_throughput(res: dict) -> None:
     print(f"\n1 client, decode tokens/s per K, medians over {res['per_k'][0]['requests']} requests ({res['prompts']} "
           f"prompts of {res['prompt_len']} tokens x {res['reps']} reps, {res['max_tokens']} new tokens, interleaved):")
-    print("  K   in-process   server (client's clock / its own)   server/in-process   tau   "
+    print("  K   in-process   server streamed (client's clock / own)   ratio   not streamed (own)   ratio   tau   "
           "TTFT ms in-process / server")
     for r in res["per_k"]:
-        print(f"  {r['chain']:<3d} {r['in_process_tokens_per_s']:10.1f} {r['server_tokens_per_s']:12.1f} / "
-              f"{r['server_own_tokens_per_s']:7.1f} {r['ratio']:26.3f} {r['tau']:9.2f}   "
-              f"{r['ttft_ms_in_process']:8.1f} / {r['ttft_ms_server']:.1f}")
+        print(f"  {r['chain']:<3d} {r['in_process_tokens_per_s']:10.1f} {r['server_tokens_per_s']:17.1f} / "
+              f"{r['server_own_tokens_per_s']:7.1f} {r['ratio']:14.3f} {r['server_whole_own_tokens_per_s']:14.1f} "
+              f"{r['ratio_whole']:12.3f} {r['tau']:5.2f}   {r['ttft_ms_in_process']:8.1f} / {r['ttft_ms_server']:.1f}")
     print("\nsystem      clients requests  tokens/s  decode tok/s  TTFT ms p50/p95/p99        e2e ms p50/p95/p99")
     for lv in res["levels"]:
         t, e = lv["ttft_ms"], lv["e2e_ms"]
@@ -320,7 +325,7 @@ def print_throughput(res: dict) -> None:
               f"{lv['decode_tokens_per_s']:13.1f}  {t['p50']:6.1f} {t['p95']:7.1f} {t['p99']:7.1f}   "
               f"{e['p50']:7.1f} {e['p95']:7.1f} {e['p99']:7.1f}")
     print(f"\ntexts differing between server and in-process: {res['mismatched_texts']}; every K within 5%: "
-          f"{res['within_5_percent']}")
+          f"streamed {res['within_5_percent']}, whole {res['whole_within_5_percent']}")
 
 
 # ----------------------------------------------------------------------------------------------------------
