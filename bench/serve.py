@@ -299,11 +299,16 @@ def throughput(args, engine, tokenizer, server: Server) -> dict:
         if clients == 1:
             continue
         reps = requests * max(1, clients // 4)
-        runs, wall = fan_out(server, len(reps), clients, lambda c, i: complete(c, server.model, *reps[i]))
-        mismatched += sum(r["text"] != local[i % len(requests)]["text"] for i, r in enumerate(runs))
-        levels.append(level(runs, wall, clients, "server"))
+        got, wall = fan_out(server, len(reps), clients, lambda c, i: complete(c, server.model, *reps[i]))
+        mismatched += sum(r["text"] != local[i % len(requests)]["text"] for i, r in enumerate(got))
+        levels.append(level(got, wall, clients, "server"))
+    paired = [{"chain": q[1], "in_process": rate([a]), "streamed": rate([b]),
+               "streamed_own": b["usage"]["tokens_per_s"], "whole_own": w["usage"]["tokens_per_s"]}
+              for q, a, b, w in zip(pairs, local, remote, runs["whole"])]
+    overall = {"streamed": statistics.median(p["streamed"] / p["in_process"] for p in paired),
+               "whole": statistics.median(p["whole_own"] / p["in_process"] for p in paired)}
     return {"ks": ks, "prompts": args.prompts, "reps": args.reps, "prompt_len": args.prompt_len,
-            "max_tokens": max_tokens,
+            "max_tokens": max_tokens, "paired": paired, "overall_ratio": overall,
             "per_k": per_k, "levels": levels, "mismatched_texts": mismatched,
             "within_5_percent": all(abs(r["ratio"] - 1) <= 0.05 for r in per_k),
             "whole_within_5_percent": all(abs(r["ratio_whole"] - 1) <= 0.05 for r in per_k)}
@@ -318,6 +323,9 @@ def print_throughput(res: dict) -> None:
         print(f"  {r['chain']:<3d} {r['in_process_tokens_per_s']:10.1f} {r['server_tokens_per_s']:17.1f} / "
               f"{r['server_own_tokens_per_s']:7.1f} {r['ratio']:14.3f} {r['server_whole_own_tokens_per_s']:14.1f} "
               f"{r['ratio_whole']:12.3f} {r['tau']:5.2f}   {r['ttft_ms_in_process']:8.1f} / {r['ttft_ms_server']:.1f}")
+    o = res["overall_ratio"]
+    print(f"  all K, median of the {len(res['paired'])} paired ratios: streamed {o['streamed']:.3f}, "
+          f"not streamed {o['whole']:.3f}")
     print("\nsystem      clients requests  tokens/s  decode tok/s  TTFT ms p50/p95/p99        e2e ms p50/p95/p99")
     for lv in res["levels"]:
         t, e = lv["ttft_ms"], lv["e2e_ms"]
