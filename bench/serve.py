@@ -154,11 +154,11 @@ def complete(client, model: str, prompt: list[int], k: int, max_tokens: int, *, 
         if chunk.usage is not None:
             usage = chunk.usage.model_dump()
         for c in chunk.choices:
-            if c.text:
-                parts.append(c.text)
-                times.append(now)
             if c.finish_reason is not None:
                 reason, last = c.finish_reason, now
+            else:  # a chunk of text (the first one at the first token, even if it shows nothing)
+                parts.append(c.text)
+                times.append(now)
     if reason is None:
         raise RuntimeError("the stream ended without a finish reason")
     n = usage["completion_tokens"]
