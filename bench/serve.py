@@ -303,7 +303,8 @@ def throughput(args, engine, tokenizer, server: Server) -> dict:
         mismatched += sum(r["text"] != local[i % len(requests)]["text"] for i, r in enumerate(got))
         levels.append(level(got, wall, clients, "server"))
     paired = [{"chain": q[1], "in_process": rate([a]), "streamed": rate([b]),
-               "streamed_own": b["usage"]["tokens_per_s"], "whole_own": w["usage"]["tokens_per_s"]}
+               "streamed_own": b["usage"]["tokens_per_s"], "whole_own": w["usage"]["tokens_per_s"],
+               "ttft_ms_in_process": 1e3 * a["ttft_s"], "ttft_ms_server": 1e3 * b["ttft_s"]}
               for q, a, b, w in zip(pairs, local, remote, runs["whole"])]
     overall = {"streamed": statistics.median(p["streamed"] / p["in_process"] for p in paired),
                "whole": statistics.median(p["whole_own"] / p["in_process"] for p in paired)}

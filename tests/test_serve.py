@@ -329,7 +329,7 @@ def in_process(app):
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # as runner.serve.run_server
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
     thread.start()
