@@ -1,4 +1,5 @@
-"""`python -m pipeline`: run the stages target -> taps -> draft -> export -> eval up to `+stage=...`.
+"""`python -m pipeline`: run the stages target -> taps -> draft -> export -> eval up to `+stage=...`
+(`+stage=serve`: up to export, then serve the artifacts until stopped; pipeline/stages/serve.py).
 
 For each stage in order: import `pipeline/stages/<name>.py`, compute its cache key from its config
 subtrees and its upstream keys (`plan_keys`, a pure function of the config), then load the artifact from
@@ -68,11 +69,11 @@ def write_result(job_dir: Path, *, job_num: int, overrides: list[str], status: s
 
 
 def stages_until(cfg: DictConfig) -> tuple[str, ...]:
-    """The stages this job runs: all of them, or up to and including `cfg.stage`."""
-    until = cfg.get("stage") or stages.ORDER[-1]
-    if until not in stages.ORDER:
-        raise ValueError(f"+stage={until}: unknown stage; choose one of {', '.join(stages.ORDER)}")
-    return stages.ORDER[: stages.ORDER.index(until) + 1]
+    """The stages this job runs: all of them, or up to and including `cfg.stage` (stages.until)."""
+    try:
+        return stages.until(cfg.get("stage") or stages.ORDER[-1])
+    except ValueError as e:
+        raise ValueError(f"+stage={cfg.get('stage')}: {e}") from None
 
 
 def config_subtrees(cfg: DictConfig, keys: tuple[str, ...]) -> dict:

@@ -8,6 +8,9 @@ internals can change without breaking its consumers.
 - taps: `taps.json` (the layout: source, per-split sequence and prompt lengths, tap layers, hidden and
   vocab size, dtype, end token ids, shard files per split) and safetensors shards holding TAPS_FIELDS;
 - export: the program file PTE.
+
+`load_engine(cfg, upstream)` reads them as the runtime runs them (`runtime.engine`): the eval and serve
+stages load their engine through it.
 """
 
 from __future__ import annotations
@@ -44,3 +47,39 @@ def load_taps(path, split: str) -> dict[str, torch.Tensor]:
     out = {k: torch.cat([s[k] for s in shards]) for k in TAPS_FIELDS}
     out["ids"], out["top1"] = out["ids"].long(), out["top1"].long()
     return out
+
+
+ENGINES = ("pte", "eager", "cuda")
+
+
+def engine_upstream(cfg) -> tuple[str, ...]:
+    """The artifacts `load_engine` reads: the CUDA engine runs the target and draft artifacts themselves, in
+    the windows export.* fixes (no .pte); the other engines the export artifact (eager: for its windows)."""
+    return ("target", "draft") if cfg.runtime.get("engine") == "cuda" else ("target", "draft", "export")
+
+
+def load_engine(cfg, upstream: dict):
+    """The runner.engine.Engine that `runtime.engine` names, over the upstream artifacts."""
+    from runner.engine import EagerEngine, PteEngine
+
+    engine = str(cfg.runtime.engine)  # pipeline.validate refused any other, and cuda without a CUDA device
+    if engine not in ENGINES:
+        raise ValueError(f"runtime.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "pte":
+        return PteEngine(pte_path(upstream["export"]), verified=True)  # the store re-hashed the artifact's files
+    if engine == "cuda":
+        from pipeline.export_pte import windows
+        from runner.cuda_engine import load_cuda_engine
+
+        return load_cuda_engine(upstream["target"].path, upstream["draft"].path, windows=windows(cfg.export),
+                                device=cfg.runtime.get("device") or "cuda", kernels=cfg.export.get("quant") == "int4",
+                                exact=bool(cfg.runtime.get("exact", True)))
+    from models import Speculator, load_speculators, load_target
+
+    target = load_target(upstream["target"].path)
+    speculator = Speculator(target, load_speculators(upstream["draft"].path, target))
+    pte = PteEngine(pte_path(upstream["export"]), verified=True)
+    m = pte.meta  # the same windows as the exported program
+    return EagerEngine(speculator, max_m=m["max_m"], default_chain=m["default_chain"],
+                       max_prefill_chunk=m["max_prefill_chunk"], min_prefill_chunk=m["min_prefill_chunk"],
+                       device=cfg.runtime.get("device") or "cpu", manifest_hash=m["manifest_hash"])

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from runner.text import render_chat
+
 PROMPT_FORMATS = ("plain", "chat")
 _SLOT = "\x00REQUEST\x00"
 
@@ -81,20 +83,6 @@ def docstring_requests(source: str) -> list[str]:
             args = ", ".join(a.arg for a in node.args.args)
             requests.append(f"Write a Python function `{node.name}({args})`. {doc}")
     return requests
-
-
-def render_chat(template: str, content: str, tokenizer) -> str:
-    """The template rendered around one user message, with the generation prompt (as transformers renders it)."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    specials = {}
-    for name, text in (("bos_token", "<bos>"), ("bos_token", "<|bos|>"), ("bos_token", "<s>"),
-                       ("eos_token", "<eos>"), ("eos_token", "<|im_end|>"), ("eos_token", "</s>")):
-        if name not in specials and tokenizer.token_to_id(text) is not None:
-            specials[name] = text
-    rendered = render_jinja_template([[{"role": "user", "content": content}]], chat_template=template,
-                                     add_generation_prompt=True, **specials)
-    return rendered[0][0] if isinstance(rendered, tuple) else rendered[0]
 
 
 def chat_prompts(texts: Sequence[str], tokenizer, template: str, n: int, length: int, seed: int) -> torch.Tensor:

@@ -186,5 +186,16 @@ def check_config(cfg: DictConfig) -> None:
         except ValueError as e:
             c.fail(f"{rt}.prompts", c.get(f"{rt}.prompts"), f"a readable prompt file ({e})")
 
+    if c.get("serve") is not None:
+        if not isinstance(c.get("serve.host"), str) or not c.get("serve.host"):
+            c.fail("serve.host", c.get("serve.host"), "a host name or address, e.g. 127.0.0.1")
+        c.int_in("serve.port", 0, 65535)
+        c.int_in("serve.queue_size", 0)
+        c.int_in("serve.max_body_bytes", 1)
+        c.number_in("serve.drain_s", 0.0)
+        c.number_in("serve.stream_interval_s", 0.0)
+        if c.get("serve.model_name") is not None and not isinstance(c.get("serve.model_name"), str):
+            c.fail("serve.model_name", c.get("serve.model_name"), "a string or null")
+
     if c.problems:
         raise ConfigError("invalid config (set on the command line or in conf/):\n  " + "\n  ".join(c.problems))

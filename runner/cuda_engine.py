@@ -247,3 +247,19 @@ class CudaEngine:
 
     def reset(self) -> None:
         self.spec.reset()
+
+
+GROUP = 128  # the INT4 group of the CUDA kernels (the Gluon GEMM's; kernels.transform falls back to 32)
+
+
+def load_cuda_engine(target_dir, draft_dir, *, windows: dict, device: str = "cuda", kernels: bool = False,
+                     exact: bool = True) -> CudaEngine:
+    """A CudaEngine over a target and a draft artifact (their directories) in the call windows `windows`
+    (max_m, default_chain, max_prefill_chunk, min_prefill_chunk: pipeline.export_pte.windows of the export
+    config, the ones a .pte would be lowered for). The eval and serve stages and `python -m runner.serve
+    --engine cuda` build it here."""
+    from models import load_speculators, load_target
+
+    target = load_target(target_dir)
+    return CudaEngine(Speculator(target, load_speculators(draft_dir, target)), **windows, device=device,
+                      kernels=kernels, group=GROUP, exact=exact)

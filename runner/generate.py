@@ -59,7 +59,7 @@ class GenerationResult:
     round_draft_ms: list[float] = field(default_factory=list)  # the draft forwards of each round (K calls)
     prefill_ms: float = 0.0  # target prefill + draft seeding
     decode_ms: float = 0.0  # wall time of the rounds
-    stop_reason: str = ""  # "stop_token" | "budget" | "cache_full"
+    stop_reason: str = ""  # "stop_token" | "budget" | "cache_full" | "caller" (on_tokens returned False)
 
     @property
     def rounds(self) -> int:
@@ -160,9 +160,14 @@ class Sampler:
 
 
 class Emitter:
-    def __init__(self, max_new_tokens: int, stop_ids):
+    """The emitted tokens. `on_tokens(new_ids) -> bool`, when given, sees each emission as it happens; False
+    ends the generation there (stop_reason "caller"): a server streams through it, and stops a generation on
+    a stop string or when its client has gone."""
+
+    def __init__(self, max_new_tokens: int, stop_ids, on_tokens: Callable[[list[int]], bool] | None = None):
         self.budget = int(max_new_tokens)
         self.stop_ids = set(int(s) for s in stop_ids)
+        self.on_tokens = on_tokens
         self.ids: list[int] = []
         self.stop_reason = "budget" if self.budget <= 0 else ""
 
@@ -186,6 +191,8 @@ class Emitter:
                 self.stop_reason = "stop_token"
             elif self.remaining <= 0:
                 self.stop_reason = "budget"
+        if n and self.on_tokens is not None and not self.on_tokens(self.ids[-n:]) and not self.done:
+            self.stop_reason = "caller"
         return n
 
 
@@ -498,8 +505,11 @@ def generate(
     temperature: float = 0.0,
     seed: int = 0,
     policy: str = "static",
+    on_tokens: Callable[[list[int]], bool] | None = None,
 ) -> GenerationResult:
-    """Generate from `prompt_ids`: K = chain (None = the .pte's default; 0 = target-only baseline)."""
+    """Generate from `prompt_ids`: K = chain (None = the .pte's default; 0 = target-only baseline).
+    `on_tokens(new_ids)` sees the prefill bonus, then each round's tokens, as they are emitted; returning
+    False stops the generation after that round (stop_reason "caller")."""
     meta = engine.meta
     k_max = resolve_chain(meta, chain)
     prompt = [int(t) for t in prompt_ids]
@@ -508,7 +518,7 @@ def generate(
         raise ValueError(f"unknown chain policy {policy!r}: use 'static' or 'adaptive'")
     result = GenerationResult(prompt_ids=prompt, output_ids=[], chain=k_max)
     sampler = Sampler(temperature, seed)
-    out = Emitter(max_new_tokens, stop_ids)
+    out = Emitter(max_new_tokens, stop_ids, on_tokens)
     # before the prefill: measuring writes the cache at positions 0..max_m-1
     window_costs = measure_window_costs(engine) if policy == "adaptive" and k_max > 0 else None
     engine.reset()

@@ -1,4 +1,5 @@
-"""Text around the token loop: prompt files and stop tokens (shared by `python -m runner` and the eval stage)."""
+"""Text around the token loop: prompt files, stop tokens and chat templates (shared by `python -m runner`, the
+server and the stages)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,21 @@ def stop_ids(tokenizer, extra=()) -> list[int]:
             raise ValueError(f"stop token {s!r} is not a single token of this tokenizer")
         ids.append(tid)
     return ids
+
+
+def render_chat(template: str, messages: str | list[dict], tokenizer) -> str:
+    """The chat template rendered around `messages` ({"role", "content"} dicts; a str is one user message),
+    with the generation prompt, as transformers renders it; the tokenizer supplies the bos/eos tokens the
+    template may name. The taps and eval stages' chat prompts and the server's chat requests come from here."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    specials = {}
+    for name, text in (("bos_token", "<bos>"), ("bos_token", "<|bos|>"), ("bos_token", "<s>"),
+                       ("eos_token", "<eos>"), ("eos_token", "<|im_end|>"), ("eos_token", "</s>")):
+        if name not in specials and tokenizer.token_to_id(text) is not None:
+            specials[name] = text
+    rendered = render_jinja_template([list(messages)], chat_template=template, add_generation_prompt=True,
+                                     **specials)
+    return rendered[0][0] if isinstance(rendered, tuple) else rendered[0]

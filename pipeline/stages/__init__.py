@@ -9,6 +9,10 @@ and optionally `CONTENT_ADDRESSED = False` (the eval stage: runs every time, `ou
 `key_extra(cfg) -> dict` (facts outside the config that must enter the key, e.g. an input dir fingerprint) and
 `upstream_for(cfg) -> tuple` (the part of UPSTREAM this config reads: the eval stage on the CUDA engine
 reads no .pte, so the export stage is not run for it).
+
+`serve` is a stage outside ORDER: `+stage=serve` runs the stages up to export, then serves their artifacts
+(pipeline/stages/serve.py) until it is stopped, in place of the eval stage. A plain `python -m pipeline`
+never reaches it, so it never blocks.
 """
 
 from __future__ import annotations
@@ -17,21 +21,30 @@ import importlib
 from types import ModuleType
 
 ORDER = ("target", "taps", "draft", "export", "eval")
+SERVE = "serve"
 PACKAGE = "pipeline.stages"
 INTERFACE = ("SCHEMA_VERSION", "UPSTREAM", "CONFIG_KEYS", "run")
 
 
+def until(name: str) -> tuple[str, ...]:
+    """The stages a job that ends with stage `name` runs, in order (serve: those up to export, then serve)."""
+    if name == SERVE:
+        return ORDER[: ORDER.index("export") + 1] + (SERVE,)
+    if name not in ORDER:
+        raise ValueError(f"unknown stage {name!r}; choose one of {', '.join(ORDER + (SERVE,))}")
+    return ORDER[: ORDER.index(name) + 1]
+
+
 def load(name: str, package: str = PACKAGE) -> ModuleType:
     """Import a stage module and check its interface."""
-    if name not in ORDER:
-        raise ValueError(f"unknown stage {name!r}; stages in order: {', '.join(ORDER)}")
+    earlier = until(name)[:-1]
     mod = importlib.import_module(f"{package}.{name}")
     missing = [a for a in INTERFACE if not hasattr(mod, a)]
     if missing:
         raise TypeError(f"stage module {mod.__name__} lacks {', '.join(missing)}")
-    bad = [u for u in mod.UPSTREAM if u not in ORDER[: ORDER.index(name)]]
+    bad = [u for u in mod.UPSTREAM if u not in earlier]
     if bad:
-        raise ValueError(f"stage {name}: UPSTREAM {bad} must name earlier stages of {ORDER}")
+        raise ValueError(f"stage {name}: UPSTREAM {bad} must name stages that run before it, of {earlier}")
     return mod
 
 

@@ -38,9 +38,8 @@ from tqdm import tqdm
 
 from pipeline import data, tracking
 from models.gguf import load_chat_template
-from pipeline.artifacts import PTE, pte_path
+from pipeline.artifacts import PTE, engine_upstream, load_engine, pte_path
 from pipeline.prompts import chat_prompts
-from runner.engine import EagerEngine, PteEngine
 from runner.generate import GenerationResult, generate, resolve_chain
 from runner.text import eos_id, read_prompt_file, stop_ids
 
@@ -56,37 +55,8 @@ CONTENT_ADDRESSED = False
 # Inputs: the engine, the prompts, the stop tokens
 
 
-ENGINES = ("pte", "eager", "cuda")
-CUDA_GROUP = 128  # the INT4 group of the CUDA kernels (the Gluon GEMM's; kernels.transform falls back to 32)
-
-
 def upstream_for(cfg: DictConfig) -> tuple[str, ...]:
-    """The CUDA engine runs the target and draft artifacts themselves, in the windows export.* fixes: no .pte."""
-    return ("target", "draft") if cfg.runtime.get("engine") == "cuda" else UPSTREAM
-
-
-def load_engine(cfg: DictConfig, upstream: dict):
-    engine = str(cfg.runtime.engine)  # pipeline.validate refused any other, and cuda without a CUDA device
-    if engine not in ENGINES:
-        raise ValueError(f"runtime.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "pte":
-        return PteEngine(pte_path(upstream["export"]), verified=True)  # the store re-hashed the artifact's files
-    from models import Speculator, load_speculators, load_target
-
-    target = load_target(upstream["target"].path)
-    speculator = Speculator(target, load_speculators(upstream["draft"].path, target))
-    if engine == "cuda":
-        from pipeline.export_pte import windows
-        from runner.cuda_engine import CudaEngine
-
-        return CudaEngine(speculator, **windows(cfg.export), device=cfg.runtime.get("device") or "cuda",
-                          kernels=cfg.export.get("quant") == "int4", group=CUDA_GROUP,
-                          exact=bool(cfg.runtime.get("exact", True)))
-    pte = PteEngine(pte_path(upstream["export"]), verified=True)
-    m = pte.meta  # the same windows as the exported program
-    return EagerEngine(speculator, max_m=m["max_m"], default_chain=m["default_chain"],
-                       max_prefill_chunk=m["max_prefill_chunk"], min_prefill_chunk=m["min_prefill_chunk"],
-                       device=cfg.runtime.get("device") or "cpu", manifest_hash=m["manifest_hash"])
+    return engine_upstream(cfg)
 
 
 def held_out_prompts(data_cfg: dict, tokenizer, n: int, length: int, seed: int) -> list[list[int]]:

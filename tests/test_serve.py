@@ -1,0 +1,487 @@
+"""The OpenAI-compatible server (runner.serve) over the tiny .pte, through the real `openai` client.
+
+A server started with `python -m runner.serve` on a free port of 127.0.0.1 answers completions and chat, streamed
+and not, with the same text at every K as at K = 0, and that text is the tokenizer's own decoding of the .pte's
+greedy tokens; bad requests get 4xx naming the field; the API key is enforced. An in-process server over the
+same .pte behind a gate (the real engine, held at its prefill until the test opens it) pins the queue: a full
+queue answers 429 with Retry-After, and a client that leaves frees the engine. The load test runs
+`python -m bench.serve --load` at a reduced size (its full size is a benchmark): nothing lost, nobody's text
+another's, memory flat, a SIGTERM mid-load drained.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import types
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key"
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ("<|im_start|>", "<|eos|>", "<|im_end|>", "<unk>")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fixtures: a tokenizer over the tiny .pte's 256 ids, the server, references
+
+
+def stdlib_words() -> list[str]:
+    text = " ".join((Path(sysconfig.get_paths()["stdlib"]) / f).read_text() for f in ("json/decoder.py", "textwrap.py"))
+    return text.split()
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, tiny_pte):
+    """The tiny .pte beside a target-like directory: a word-level tokenizer of 256 ids (the .pte's vocabulary:
+    the 252 most common words of two standard-library modules and four special tokens) and a ChatML template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    words = [w for w, _ in collections.Counter(stdlib_words()).most_common(256 - len(SPECIALS))]
+    tok = Tokenizer(models.WordLevel({**{s: i for i, s in enumerate(SPECIALS)},
+                                      **{w: i + len(SPECIALS) for i, w in enumerate(words)}}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(cleanup=False)
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS[:3]])
+    d = tmp_path_factory.mktemp("target")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "chat_template.jinja").write_text(CHATML)
+    return types.SimpleNamespace(pte=tiny_pte.path, tokenizer_path=d / "tokenizer.json", tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pte):
+    from runner.engine import PteEngine
+
+    return PteEngine(tiny_pte.path)
+
+
+def prompts(n: int, seed: int) -> list[str]:
+    words = stdlib_words()
+    rng = random.Random(seed)
+    return [" ".join(words[(s := rng.randrange(len(words) - 20)): s + rng.randint(3, 16)]) for _ in range(n)]
+
+
+def reference(engine, tok, prompt: str, max_tokens: int) -> str:
+    """The text of the .pte's greedy continuation as the tokenizer decodes it after the prompt's last tokens."""
+    from runner.generate import generate
+    from runner.text import stop_ids
+
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    out = generate(engine, ids, chain=0, max_new_tokens=max_tokens, stop_ids=stop_ids(tok)).output_ids
+    ctx = ids[-5:]
+    return tok.decode(ctx + out)[len(tok.decode(ctx)):]
+
+
+def start(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.match(r"serving .* at (http://\S+)", line):
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+            return proc, m.group(1)
+    raise RuntimeError("the server did not start:\n" + "".join(lines))
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    proc, url = start([sys.executable, "-m", "runner.serve", "--pte", str(artifact.pte), "--tokenizer",
+                       str(artifact.tokenizer_path), "--port", "0", "--model-name", "tiny", "--queue-size", "4"],
+                      env={"EAGLE3_API_KEY": KEY})
+    yield url
+    proc.terminate()
+    assert proc.wait(60) == 0  # SIGTERM is a normal end
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server, api_key=KEY, max_retries=0)
+
+
+def streamed(chunks) -> tuple[str, str | None, dict | None]:
+    text, reason, usage = [], None, None
+    for c in chunks:
+        usage = c.usage.model_dump() if c.usage is not None else usage
+        for ch in c.choices:
+            piece = ch.delta.content if hasattr(ch, "delta") else ch.text
+            text.append(piece or "")
+            reason = ch.finish_reason or reason
+    return "".join(text), reason, usage
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The text: the same at every K, and the tokenizer's decoding of the greedy tokens
+
+
+def test_a_completion_is_the_same_text_at_every_k_and_the_greedy_tokens_decoded(client, engine, artifact, seed):
+    for prompt in prompts(3, seed):
+        want = reference(engine, artifact.tokenizer, prompt, 24)
+        for k, policy in [(0, "static"), *((k, "static") for k in range(1, 6)), (3, "adaptive")]:
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
+                                          extra_body={"chain": k, "policy": policy})
+            assert r.choices[0].text == want, (seed, prompt, k, policy)
+            u = r.usage.model_dump()
+            assert u["chain"] == k and u["policy"] == policy and u["completion_tokens"] <= 24
+            assert (u["rounds"] >= 1 and u["tau"] >= 1) or u["completion_tokens"] == 1  # the first token ended it
+            assert 0 <= u["acceptance_rate"] <= 1 and (k > 0 or u["acceptance_rate"] == 0)
+
+
+def test_a_stream_carries_the_same_text_its_finish_reason_and_usage(client, seed):
+    prompt = prompts(1, seed)[0]
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, extra_body={"chain": 0})
+    for k in (0, 2, 5):
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"chain": k})
+        text, reason, usage = streamed(chunks)
+        assert text == whole.choices[0].text and reason == whole.choices[0].finish_reason, (seed, k)
+        assert usage["chain"] == k and usage["completion_tokens"] == whole.usage.completion_tokens
+
+
+def test_chat_uses_the_targets_template_and_is_the_same_at_every_k(client, artifact, seed):
+    from runner.text import render_chat
+
+    system, user = prompts(2, seed)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    rendered = render_chat(CHATML, messages, artifact.tokenizer)
+    n_prompt = len(artifact.tokenizer.encode(rendered, add_special_tokens=False).ids)
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, extra_body={"chain": 0})
+    assert first.usage.prompt_tokens == n_prompt and first.choices[0].message.role == "assistant"
+    for k in (1, 4):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, extra_body={"chain": k})
+        assert r.choices[0].message.content == first.choices[0].message.content, (seed, k)
+        text, reason, _ = streamed(client.chat.completions.create(model="tiny", messages=messages, max_tokens=20,
+                                                                  stream=True, extra_body={"chain": k}))
+        assert text == first.choices[0].message.content and reason == first.choices[0].finish_reason
+
+
+def test_a_stop_string_ends_the_text_before_it_at_every_k(client, seed):
+    for prompt in prompts(4, seed):
+        full = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, extra_body={"chain": 0})
+        words = full.choices[0].text.split()
+        if len(words) < 4:
+            continue
+        stop = " " + words[len(words) // 2]
+        want = full.choices[0].text[:full.choices[0].text.index(stop)]
+        for k, stream in ((0, False), (3, False), (5, True)):
+            kw = dict(model="tiny", prompt=prompt, max_tokens=40, stop=[stop, "never\x01"], extra_body={"chain": k})
+            if stream:
+                text, reason, _ = streamed(client.completions.create(stream=True, **kw))
+            else:
+                r = client.completions.create(**kw)
+                text, reason = r.choices[0].text, r.choices[0].finish_reason
+            assert text == want and reason == "stop", (seed, prompt, k, stop)
+        return
+    pytest.skip(f"seed {seed}: no prompt gave four words to stop in")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Refusals
+
+
+@pytest.mark.parametrize("kwargs, error, field", [
+    ({"extra_body": {"chain": 6}}, "BadRequestError", "chain"),            # max_m = 6: K in [0, 5]
+    ({"extra_body": {"chain": -1}}, "BadRequestError", "chain"),
+    ({"extra_body": {"chain": "2"}}, "BadRequestError", "chain"),
+    ({"extra_body": {"policy": "fast"}}, "BadRequestError", "policy"),
+    ({"max_tokens": "8"}, "BadRequestError", "max_tokens"),
+    ({"max_tokens": 0}, "BadRequestError", "max_tokens"),
+    ({"max_tokens": 61}, "BadRequestError", "max_tokens"),                 # 4 prompt tokens + 61 > max_seq_len 64
+    ({"temperature": -1}, "BadRequestError", "temperature"),
+    ({"seed": 1.5}, "BadRequestError", "seed"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "BadRequestError", "stop"),
+    ({"n": 2}, "BadRequestError", "n"),
+    ({"prompt": []}, "BadRequestError", "prompt"),
+    ({"prompt": [5, 300]}, "BadRequestError", "prompt"),                   # an id outside the vocabulary
+    ({"prompt": ["one", "two"]}, "BadRequestError", "prompt"),
+    ({"model": "other"}, "NotFoundError", "model"),
+])
+def test_a_bad_completion_request_gets_a_4xx_naming_the_field(client, kwargs, error, field):
+    kwargs = {"model": "tiny", "prompt": "return the value of", "max_tokens": 8, **kwargs}
+    with pytest.raises(getattr(openai, error)) as e:
+        client.completions.create(**kwargs)
+    assert e.value.body["param"] == field and field in e.value.body["message"], e.value.body
+    assert client.completions.create(model="tiny", prompt="return", max_tokens=2).choices  # still serving
+
+
+def test_a_bad_chat_request_gets_a_400_naming_the_field(client):
+    for messages, field in (([], "messages"), ([{"role": "user"}], "messages[0]"),
+                            ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        assert e.value.body["param"] == field, e.value.body
+
+
+def post(url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json",
+                                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_malformed_bodies_are_refused_and_the_server_keeps_serving(server):
+    url = server + "/completions"
+    status, _, body = post(url, b'{"prompt": "a", ')
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, _, body = post(url, b'["prompt"]')
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    host, port = server.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port))) as sock:  # refused on its headers, before any body byte
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {2 << 20}\r\n\r\n".encode())
+        reply = b""
+        while b"}}" not in reply and (piece := sock.recv(65536)):
+            reply += piece
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 413") and "the limit is 1048576" in reply
+    status, _, body = post(server + "/nothing", b"{}")
+    assert status == 404
+    status, _, body = post(url, json.dumps({"prompt": "return the", "max_tokens": 3}).encode())
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_the_api_key_is_required_on_v1_but_not_on_metrics(server):
+    for key in (None, "wrong"):
+        status, _, body = post(server + "/completions", json.dumps({"prompt": "a", "max_tokens": 1}).encode(), key)
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server, api_key="wrong", max_retries=0).models.list()
+    models = openai.OpenAI(base_url=server, api_key=KEY, max_retries=0).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    with urllib.request.urlopen(server.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        assert r.status == 200 and b"vllm:spec_decode_num_drafts_total" in r.read()
+
+
+def scrape(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    out = collections.defaultdict(float)
+    for line in lines:
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[re.sub(r',?model_name="[^"]*"', "", name).replace("{}", "")] += float(value)
+    return out
+
+
+def test_metrics_count_the_rounds_drafts_and_acceptance_under_vllms_names(client, server):
+    before = scrape(server)
+    r = client.completions.create(model="tiny", prompt="return the value", max_tokens=20, extra_body={"chain": 3})
+    after = scrape(server)
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    rounds = r.usage.rounds
+    assert 1 <= d["vllm:spec_decode_num_drafts_total"] <= rounds  # the budget may cut a last round's K to 0
+    assert d["vllm:spec_decode_num_drafts_total"] <= d["vllm:spec_decode_num_draft_tokens_total"] <= 3 * rounds
+    accepted = d["vllm:spec_decode_num_accepted_tokens_total"]
+    assert accepted == round(r.usage.acceptance_rate * d["vllm:spec_decode_num_draft_tokens_total"])
+    per_pos = sum(v for k, v in d.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total"))
+    assert per_pos == accepted
+    assert d["vllm:generation_tokens_total"] == r.usage.completion_tokens
+    assert d["vllm:time_to_first_token_seconds_count"] == 1 and d["vllm:e2e_request_latency_seconds_count"] == 1
+    assert d["vllm:inter_token_latency_seconds_count"] == rounds  # one per round after the prefill's token
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The queue, in process: the real engine held at its prefill by a gate
+
+
+class Gated:
+    """The engine, whose prefill waits for `gate` (and counts, in `entered`, the generations that reached it)."""
+
+    def __init__(self, engine):
+        self.engine, self.meta = engine, engine.meta
+        self.gate, self.entered = threading.Event(), threading.Semaphore(0)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def prefill(self, tokens, input_pos):
+        if int(input_pos[0]) == 0:
+            self.entered.release()
+            assert self.gate.wait(60)
+        return self.engine.prefill(tokens, input_pos)
+
+
+@contextlib.contextmanager
+def in_process(app):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # as runner.serve.run_server
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def wait_for(cond, what: str, timeout: float = 30.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_full_queue_answers_429_and_a_client_that_leaves_frees_the_engine(engine, artifact):
+    from runner.serve import Settings, create_app
+
+    long_prompt = " ".join(stdlib_words()[:16])  # 16 tokens >= the .pte's min prefill chunk: one prefill call
+    gated = Gated(engine)
+    app = create_app(gated, artifact.tokenizer, Settings(model="tiny", queue_size=2))
+    decoder = app.state.decoder
+    want = reference(engine, artifact.tokenizer, long_prompt, 12)
+    with in_process(app) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        answers = []
+
+        def ask(k):
+            answers.append(client.completions.create(model="tiny", prompt=long_prompt, max_tokens=12,
+                                                     extra_body={"chain": k}).choices[0].text)
+
+        first = threading.Thread(target=ask, args=(2,))
+        first.start()
+        assert gated.entered.acquire(timeout=30)  # decoding: held at its prefill
+        queued = [threading.Thread(target=ask, args=(k,)) for k in (0, 5)]
+        for t in queued:
+            t.start()
+        wait_for(lambda: decoder.admitted == 3, "two requests to queue")
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="tiny", prompt="return", max_tokens=2)
+        assert int(e.value.response.headers["retry-after"]) >= 1 and "queue is full" in e.value.body["message"]
+        gated.gate.set()
+        for t in (first, *queued):
+            t.join(60)
+        assert answers == [want] * 3  # each its own text, in turn
+
+        # a client that leaves mid-decode (streaming), and one that leaves while queued: both free the engine
+        gated.gate.clear()
+        gated.entered = threading.Semaphore(0)
+        host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
+
+        def request(stream: bool) -> bytes:
+            body = json.dumps({"model": "tiny", "prompt": long_prompt, "max_tokens": 40, "stream": stream}).encode()
+            return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+        leaving = [socket.create_connection((host, int(port))) for _ in range(2)]
+        leaving[0].sendall(request(stream=True))
+        assert gated.entered.acquire(timeout=30)
+        leaving[1].sendall(request(stream=False))
+        wait_for(lambda: decoder.admitted == 2, "the second to queue")
+        for s in leaving:
+            s.close()
+        time.sleep(0.2)  # the server sees both disconnect
+        gated.gate.set()
+        wait_for(lambda: decoder.admitted == 0, "both to be dropped")
+        finished = decoder.metrics.finished()
+        assert finished.get("abort") == 2, finished
+        assert client.completions.create(model="tiny", prompt=long_prompt, max_tokens=12).choices[0].text == want
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The text stream, the load test, the pipeline's entry
+
+
+def test_the_on_tokens_hook_sees_every_emitted_token_and_can_stop_the_generation(engine, seed):
+    from runner.generate import generate
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(4, 256) for _ in range(rng.randint(1, 30))]
+    for k in (0, 3, 5):
+        seen = []
+        res = generate(engine, prompt, chain=k, max_new_tokens=20, on_tokens=lambda ids: seen.append(ids) or True)
+        assert sum(seen, []) == res.output_ids and len(seen) == res.rounds + 1, (seed, k)
+        calls = []
+        cut = generate(engine, prompt, chain=k, max_new_tokens=20,
+                       on_tokens=lambda ids: calls.append(ids) or len(calls) < 2)  # stop after the first round
+        assert cut.stop_reason == "caller" and cut.rounds == 1 and cut.output_ids == sum(seen[:2], []), (seed, k)
+
+
+def test_the_text_stream_is_the_same_however_the_tokens_are_grouped_and_stops_before_a_stop_string(seed):
+    from pipeline.data import train_tokenizer
+    from runner.serve import TextStream
+
+    rng = random.Random(seed)
+    corpus = ["naïve café: 日本語のテキスト, ✓ done; " + " ".join(stdlib_words()[:400])]
+    tok = train_tokenizer(corpus, vocab_size=400)
+    text = "def café(x):\n    return '日本' + x  # ✓ naïve"
+    ids = tok.encode("prompt: " + text, add_special_tokens=False).ids
+    n = len(tok.encode("prompt:", add_special_tokens=False).ids)
+    prompt, out = ids[:n], ids[n:]
+    want = tok.decode(ids)[len(tok.decode(prompt)):]
+    for stops in ([], ["日本", "never"], ["✓"]):
+        for _ in range(5):
+            stream, taken, i = TextStream(tok, prompt, stops), [], 0
+            while i < len(out) and not stream.stopped:
+                step = rng.randint(1, 8)
+                stream.push(out[i:i + step])
+                taken.append(stream.take())
+                i += step
+            stream.finish()
+            taken.append(stream.take())
+            cut = min([want.index(s) for s in stops if s in want], default=len(want))
+            assert "".join(taken) == want[:cut], (seed, stops)
+            assert stream.stopped == (cut < len(want))
+            if stream.stopped:  # n_tokens: the tokens up to the one that completed the stop string
+                cont = lambda m: tok.decode(ids[:n + m])[len(tok.decode(prompt)):]  # noqa: E731
+                assert any(s in cont(stream.n_tokens) for s in stops)
+                assert not any(s in cont(stream.n_tokens - 1) for s in stops)
+
+
+def test_the_load_test_loses_nothing_mixes_nothing_keeps_memory_flat_and_drains_on_sigterm(artifact, tmp_path):
+    out = tmp_path / "load.json"
+    res = subprocess.run([sys.executable, "-m", "bench.serve", "--load", "--pte", str(artifact.pte), "--tokenizer",
+                          str(artifact.tokenizer_path), "--clients", "4", "--requests", "40", "--queue-size", "1",
+                          "--prompts", "8", "--prompt-len", "24", "--max-tokens", "32", "--drain-s", "20",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.is_file(), res.stdout + res.stderr
+    r = json.loads(out.read_text())
+    assert r["checks"] == {"none_lost": True, "texts_equal_k0": True, "rss_flat": True, "sigterm_clean": True}, \
+        res.stdout + res.stderr
+    assert r["main"]["status"] == {"ok": 40} and r["sigterm"]["exit_code"] == 0 and res.returncode == 0
+
+
+def test_stage_serve_runs_the_stages_up_to_export_then_serves():
+    from hydra import compose, initialize_config_dir
+
+    from pipeline import stages
+    from pipeline.app import CONF_DIR, stages_until
+    from pipeline.validate import ConfigError, check_config
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+stage=serve"])
+        bad = compose(config_name="config", overrides=["+stage=serve", "serve.port=70000", "serve.queue_size=-1"])
+    assert stages_until(cfg) == ("target", "taps", "draft", "export", "serve")
+    mod = stages.load("serve")
+    assert stages.upstream(mod, cfg) == ("target", "draft", "export") and not stages.content_addressed(mod)
+    check_config(cfg)
+    with pytest.raises(ConfigError, match=r"serve\.port=70000.*\n.*serve\.queue_size=-1"):
+        check_config(bad)
