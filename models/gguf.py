@@ -745,7 +745,6 @@ def write_gguf(model, tokenizer, path, *, dtype: str = "f32", name: str = "eagle
     `dtype` (GGUF_WRITE_TYPES). The vocabulary is written as tokenizer.ggml.model "gpt2" (tokens in id
     order, merges, added special tokens as control tokens, ids past the tokenizer's up to the embedding's
     rows as unused padding); add_bos_token is false, since our prompts carry no BOS."""
-    import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
     from gguf.quants import quantize
 
