@@ -101,13 +101,13 @@ def random_speculator(shape: dict, max_seq_len: int, seed: int = 0) -> Speculato
 
 def gpu_preset_shape() -> dict:
     """+experiment=gpu's target shape as its config composes it: the embedded default's model fields
-    (conf/target/tiny.yaml) under conf/experiment/gpu.yaml's sizes. Plain YAML, no Hydra: the GPU machine has
+    (conf/target/tiny.yaml) under conf/target/tiny/gpu.yaml's sizes. Plain YAML, no Hydra: the GPU machine has
     PyYAML only; the keys tiny.yaml interpolates (vocab_size, max_seq_len, tap_layers) are set here or left out."""
     import yaml
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     model = yaml.safe_load((conf / "target/tiny.yaml").read_text())["model"]
-    gpu = yaml.safe_load((conf / "experiment/gpu.yaml").read_text())["target"]
+    gpu = yaml.safe_load((conf / "target/tiny/gpu.yaml").read_text())["target"]
     shape = {k: v for k, v in model.items() if k not in ("vocab_size", "max_seq_len", "tap_layers")}
     return {**shape, **gpu["model"], "vocab_size": gpu["tokenizer"]["vocab_size"]}
 

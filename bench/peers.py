@@ -371,15 +371,9 @@ def make_prompts(tokenizer, prompt_format: str, chat_template, n: int, length: i
 
 def gguf_tokenizer(path: Path):
     """(tokenizers.Tokenizer, chat template) of a GGUF, rebuilt as models.gguf.read_gguf rebuilds it."""
-    from transformers import AutoTokenizer
+    from models.gguf import inspect_gguf, rebuild_tokenizer
 
-    from models.gguf import fix_special_tokens, inspect_gguf, quiet_transformers, spm_as_bpe
-
-    info = inspect_gguf(path)
-    with quiet_transformers(progress=False):
-        hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    template = hf_tok.chat_template if isinstance(hf_tok.chat_template, str) else None
-    return fix_special_tokens(spm_as_bpe(hf_tok.backend_tokenizer), info), template
+    return rebuild_tokenizer(inspect_gguf(path))
 
 
 def hf_model_from_gguf(path: Path):

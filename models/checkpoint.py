@@ -194,7 +194,7 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> No
 
 
 # --- speculators draft checkpoints -----------------------------------------------------------------
-def speculators_config(cfg: DraftConfig, verifier: str | None = None) -> dict:
+def speculators_config(cfg: DraftConfig, verifier: str | None = None, dtype: torch.dtype = torch.float32) -> dict:
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -228,7 +228,7 @@ def speculators_config(cfg: DraftConfig, verifier: str | None = None) -> dict:
             "proposal_methods": [{"proposal_type": "greedy"}],
             "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
         },
-        "torch_dtype": "float32",
+        "torch_dtype": str(dtype).removeprefix("torch."),  # the weights' dtype, as the file holds them
     }
 
 
@@ -276,7 +276,8 @@ def save_speculators(draft: Eagle3Draft, path, *, max_shard_bytes: int | None = 
     """Write a speculators-layout checkpoint (sharded when max_shard_bytes is given)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(speculators_config(draft.cfg, verifier), indent=2))
+    config = speculators_config(draft.cfg, verifier, dtype=draft.fc.weight.dtype)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     write_safetensors_dir(draft.state_dict(), path, max_shard_bytes)
 
 
@@ -289,6 +290,11 @@ def load_speculators(path, target: Transformer | TargetConfig | None = None, *, 
     Transformer target, whose embedding is copied; one that carries it must carry the target's own (the
     draft's embedding is a frozen copy: another one means the draft was trained for another target). One
     without t2d gets t2d derived from d2t.
+
+    The draft does not depend on the device or dtype it was trained in: floating tensors load into `dtype`
+    whatever the file holds (a GPU run may leave bfloat16), and a stored embedding is compared with the
+    target's at the narrower of the two precisions, then replaced by the target's own table, so a draft
+    saved in bfloat16 shares the target's embedding (one table in the .pte) as one saved in float32 does.
     """
     path = Path(path)
     target_cfg = target.cfg if isinstance(target, Transformer) else target
@@ -311,8 +317,11 @@ def load_speculators(path, target: Transformer | TargetConfig | None = None, *, 
     if target_cfg is not None:
         validate_draft(draft, target_cfg)
     own_embedding = "embed_tokens.weight" in tensors and isinstance(target, Transformer)
-    if own_embedding and cfg.hidden_size == target.cfg.hidden_size and not torch.equal(
-            draft.embed_tokens.weight.float().cpu(), target.embed_tokens.weight.float().cpu()):
-        raise ValueError("draft/target mismatch: the draft's embed_tokens differs from the target's (the draft's "
-                         "embedding is a frozen copy of its target's: trained for another target?)")
+    if own_embedding and cfg.hidden_size == target.cfg.hidden_size:
+        stored, table = tensors["embed_tokens.weight"].cpu(), target.embed_tokens.weight.detach().cpu()
+        narrow = min((stored.dtype, table.dtype), key=lambda d: torch.finfo(d).bits)
+        if not torch.equal(stored.to(narrow), table.to(narrow)):
+            raise ValueError("draft/target mismatch: the draft's embed_tokens differs from the target's (the draft's "
+                             "embedding is a frozen copy of its target's: trained for another target?)")
+        draft.embed_tokens.weight.data.copy_(table)
     return draft.eval()

@@ -2,29 +2,35 @@
 
 A GGUF carries the weights (usually quantised), the architecture's hyper-parameters and the tokenizer
 (vocabulary, merges or scores, special ids, chat template) in one file. `read_gguf` turns it into what
-target=hf produces from a checkpoint directory, in these steps:
+target=hf produces from a checkpoint directory, in four steps, each timed (`GGUFTarget.seconds`):
 
-1. `inspect_gguf` parses the header with gguf.GGUFReader and refuses, naming what it found and what is
-   supported, a file that is not GGUF (its magic), a truncated one (its size against the extent of its
-   tensors), an architecture we do not implement (`general.architecture`) and a tokenizer transformers
-   cannot rebuild for it (`tokenizer.ggml.model`, missing merges or scores): all before transformers runs.
-2. transformers rebuilds the fast tokenizer (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`) and
-   dequantises every tensor to float32 (`AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`),
-   undoing llama.cpp's layout (the Q/K row permutation of llama-architecture files, Gemma's norm + 1).
-   Nothing here dequantises or permutes by hand: the model we build is by construction the one
-   transformers builds from the file.
-3. The transformers model is saved as a Hugging Face checkpoint in a temporary directory and loaded with
-   models.load_hf_target, which validates config and shapes (the one place HF names map to ours); our
-   model's logits are then compared with transformers' on a fixed sequence and a difference above
-   LOGIT_TOLERANCE (relative) is refused, so a target that loads but computes something else never
-   reaches a later stage.
+1. header: `inspect_gguf` parses the metadata and tensor table (`read_header`) and refuses, naming what it
+   found and what is supported, a file that is not GGUF (its magic), a truncated one (its size against the
+   extent of its tensors), an architecture we do not implement (`general.architecture`) and a tokenizer
+   transformers cannot rebuild for it (`tokenizer.ggml.model`, missing merges or scores): all before
+   transformers runs.
+2. tokenizer: transformers' GGUF tokenizer converter rebuilds the fast tokenizer from that metadata
+   (`rebuild_tokenizer`), with two repairs of ours (below).
+3. dequantise: transformers builds its model of the file (`AutoModelForCausalLM.from_pretrained(...,
+   gguf_file=...)`, every tensor dequantised to float32, dense in both 4.57 and 5.x), undoing llama.cpp's
+   layout (the Q/K row permutation of llama-architecture files, Gemma's norm + 1). Nothing here dequantises
+   or permutes by hand: the model we build is by construction the one transformers builds from the file.
+4. check: our model is built from that model's config and state_dict in memory with models.hf.target_from_hf
+   (the one place HF names map to ours, which validates config and shapes); its logits are compared with
+   transformers' on a fixed sequence and a difference above LOGIT_TOLERANCE (relative) is refused, so a
+   target that loads but computes something else never reaches a later stage.
 
 The tokenizer keeps transformers' rebuild except for two things it gets wrong: where the file sets
 `tokenizer.ggml.add_bos_token` / `add_eos_token`, those decide whether encoding adds BOS / EOS (llama.cpp's
-meaning; transformers 4.57 adds BOS whatever the file says), and a SentencePiece vocabulary that
-transformers rebuilds as a Unigram model (Gemma) becomes the BPE llama.cpp applies to it (`spm_as_bpe`).
-Every id the tokenizer can produce must index the embedding. The chat template
-(`tokenizer.chat_template`), when the file has one, is returned for `write_chat_template`.
+meaning; transformers adds BOS whatever the file says), and a SentencePiece vocabulary that transformers
+rebuilds as a Unigram model (Gemma) becomes the BPE llama.cpp applies to it (`spm_as_bpe`). Every id the
+tokenizer can produce must index the embedding. The chat template (`tokenizer.chat_template`), when the
+file has one, is returned for `write_chat_template`.
+
+The file's metadata is parsed once, by `read_header`, which reads each metadata array in one pass
+(gguf.GGUFReader builds a numpy view per element: 11 s for Gemma 3's 262,144-token vocabulary, against
+0.2-0.4 s), and the converter runs on it without transformers' tokenizer classes, whose from_pretrained
+parses the file twice more.
 
 A GGUF can also come from an installed package (`PACKAGES`): one that carries the file, or one that
 assembles it from chunk packages into a cache directory (`package_gguf`, atomically: a temporary file
@@ -44,17 +50,21 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import math
+import mmap
 import os
 import re
 import shlex
+import struct
 import sys
 import tempfile
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from runner.quiet import native_stderr
@@ -63,13 +73,17 @@ log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version (u32), tensor count (u64), metadata count (u64)
+GGUF_VERSIONS = (2, 3)  # version 1 counted lengths in 32 bits; gguf's reader refuses it too
+DEFAULT_ALIGNMENT = 32  # of the tensor data, where general.alignment is absent
 # general.architecture -> what it covers. llama.cpp writes Mistral (and SmolLM) models as "llama".
 SUPPORTED_ARCHITECTURES = {"llama": "Llama, Mistral, SmolLM", "qwen2": "Qwen2", "qwen3": "Qwen3",
                            "gemma3": "Gemma 3"}
-# general.architecture -> the tokenizer.ggml.model values transformers 4.57 rebuilds for it: "llama" is a
+# general.architecture -> the tokenizer.ggml.model values transformers rebuilds for it: "llama" is a
 # SentencePiece vocabulary (scores, byte fallback), "gpt2" a byte-level BPE (merges). transformers picks
 # its converter by architecture alone, so any other value would be rebuilt as one of these, wrongly.
 TOKENIZER_MODELS = {"llama": ("llama", "gpt2"), "qwen2": ("gpt2",), "qwen3": ("gpt2",), "gemma3": ("llama",)}
+# general.architecture -> the model type naming its converter in transformers' GGUF_TO_FAST_CONVERTERS
+TOKENIZER_CONVERTERS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 CHAT_TEMPLATE = "chat_template.jinja"
 LOGIT_TOLERANCE = 1e-3  # |ours - transformers| / |transformers| over the check sequence, both float32
 CHECK_TOKENS = 16
@@ -101,6 +115,90 @@ def check_magic(path) -> None:
         raise GGUFError(f"{path} ({size:,} bytes) is truncated: a GGUF header needs {HEADER_BYTES} bytes")
 
 
+# GGUF metadata value types (gguf.GGUFValueType) -> struct format of one value; 8 is a string, 9 an array.
+VALUE_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One row of a GGUF's tensor table: shape in torch order, GGML type, offset in the data section."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+
+
+def read_header(path) -> tuple[dict, list[TensorEntry], int]:
+    """-> (metadata {key: value, arrays as lists}, tensor table, offset of the data section) of a GGUF file
+    (little-endian, version 2 or 3), reading no tensor data.
+
+    Numeric arrays are read with one np.frombuffer each and strings with struct, so a 262,144-token
+    vocabulary takes a fraction of a second. Raises GGUFError for a file that ends inside its header, an
+    unsupported version or an unknown value type."""
+    path = Path(path)
+    check_magic(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos = 0
+
+        def unpack(fmt: str):
+            nonlocal pos
+            values = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize("<" + fmt)
+            return values
+
+        def string() -> str:
+            nonlocal pos
+            (n,) = unpack("Q")
+            if pos + n > size:
+                raise struct.error("string past the end")
+            pos += n
+            return buf[pos - n : pos].decode("utf-8", errors="replace")
+
+        def value(kind: int):
+            nonlocal pos
+            if kind == STRING:
+                return string()
+            if kind in VALUE_FORMATS:
+                return unpack(VALUE_FORMATS[kind])[0]
+            if kind != ARRAY:
+                raise GGUFError(f"{path}: unknown GGUF value type {kind} at byte {pos:,} (damaged file?)")
+            item, n = unpack("IQ")
+            if item in VALUE_FORMATS:
+                width = struct.calcsize(VALUE_FORMATS[item])
+                if pos + n * width > size:
+                    raise struct.error("array past the end")
+                values = np.frombuffer(buf, dtype="<" + VALUE_FORMATS[item], count=n, offset=pos).tolist()
+                pos += n * width
+                return values
+            return [value(item) for _ in range(n)]
+
+        try:
+            _, version, n_tensors, n_kv = unpack("4sIQQ")
+            if version not in GGUF_VERSIONS:
+                raise GGUFError(f"{path}: GGUF version {version} is not supported (supported: "
+                                f"{', '.join(map(str, GGUF_VERSIONS))}, little-endian)")
+            metadata = {}
+            for _ in range(n_kv):
+                key = string()
+                (kind,) = unpack("I")
+                metadata[key] = value(kind)
+            tensors = []
+            for _ in range(n_tensors):
+                name = string()
+                (n_dims,) = unpack("I")
+                dims = unpack(f"{n_dims}Q")
+                ggml_type, offset = unpack("IQ")
+                tensors.append(TensorEntry(name, tuple(reversed(dims)), ggml_type, offset))
+        except struct.error:
+            raise GGUFError(f"{path} ({size:,} bytes) is truncated: it ends inside its header "
+                            f"(at byte {pos:,})") from None
+    align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    return metadata, tensors, (pos + align - 1) // align * align
+
+
 @dataclass(frozen=True)
 class GGUFInfo:
     """What the header of a GGUF file says, as far as the conversion needs it."""
@@ -118,6 +216,7 @@ class GGUFInfo:
     bos_id: int | None
     eos_id: int | None
     has_chat_template: bool
+    metadata: dict = field(repr=False, compare=False, default_factory=dict)  # every key, as read_header reads it
 
     def quantisation(self) -> str:
         """The tensor types, most frequent first: "Q4_1 210, F32 61, Q8_0 1"."""
@@ -131,38 +230,41 @@ class GGUFInfo:
                 + (", chat template" if self.has_chat_template else ""))
 
 
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _tensor_bytes(t: TensorEntry, path) -> tuple[str, int]:
+    """(GGML type name, bytes of data) of one tensor-table row."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    try:
+        kind = GGMLQuantizationType(t.ggml_type)
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+    except (ValueError, KeyError):
+        raise GGUFError(f"{path}: tensor {t.name!r} has GGML type {t.ggml_type}, which gguf "
+                        f"{importlib.metadata.version('gguf')} does not know (damaged file?)") from None
+    return kind.name, math.prod(t.shape) // block * block_bytes
 
 
 def inspect_gguf(path) -> GGUFInfo:
     """Parse the header of a GGUF file and refuse what we cannot convert (see the module docstring, step 1).
 
-    Reads the metadata and tensor table only (gguf.GGUFReader memory-maps the file); the tensor data is
-    not touched beyond checking that it lies inside the file."""
-    from gguf import GGUFReader
-
+    Reads the metadata and tensor table only; the tensor data is not touched beyond checking that it
+    lies inside the file."""
     path = Path(path)
-    check_magic(path)
+    metadata, tensors, data_start = read_header(path)
     size = path.stat().st_size
-    try:
-        with _quiet_logger("gguf"):
-            reader = GGUFReader(path)
-    except Exception as e:  # the reader fails on a short file with numpy's reshape/dtype errors
-        raise GGUFError(f"{path} ({size:,} bytes) is truncated or damaged: gguf.GGUFReader cannot parse it "
-                        f"({type(e).__name__}: {e})") from None
-    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    types, end = Counter(), data_start
+    for t in tensors:
+        kind, n_bytes = _tensor_bytes(t, path)
+        types[kind] += 1
+        end = max(end, data_start + t.offset + n_bytes)
     if end > size:
         raise GGUFError(f"{path} ({size:,} bytes) is truncated: its tensor data extends to byte {end:,}")
 
-    arch = _field(reader, "general.architecture")
+    arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path}: general.architecture={arch!r} is not supported "
                         f"(supported: {supported_architectures()})")
-    tok_model = _field(reader, "tokenizer.ggml.model")
+    tok_model = metadata.get("tokenizer.ggml.model")
     allowed = TOKENIZER_MODELS[arch]
     if tok_model is None:
         raise GGUFError(f"{path}: no tokenizer (tokenizer.ggml.model is absent); the pipeline needs the "
@@ -170,32 +272,29 @@ def inspect_gguf(path) -> GGUFInfo:
     if tok_model not in allowed:
         raise GGUFError(f"{path}: tokenizer.ggml.model={tok_model!r}: transformers cannot rebuild this tokenizer "
                         f"for architecture {arch} (supported: {', '.join(allowed)})")
-    tokens_field = reader.fields.get("tokenizer.ggml.tokens")
-    n_tokens = len(tokens_field.data) if tokens_field is not None else 0
+    n_tokens = len(metadata.get("tokenizer.ggml.tokens") or [])
     if n_tokens == 0:
         raise GGUFError(f"{path}: tokenizer.ggml.model={tok_model!r} without tokenizer.ggml.tokens: "
                         f"no vocabulary to rebuild the tokenizer from")
     needs = "tokenizer.ggml.merges" if tok_model == "gpt2" else "tokenizer.ggml.scores"
-    if needs not in reader.fields:
+    if needs not in metadata:
         raise GGUFError(f"{path}: tokenizer.ggml.model={tok_model!r} without {needs}: transformers cannot "
                         f"rebuild this tokenizer without it")
 
     def flag(key):
-        v = _field(reader, key)
+        v = metadata.get(key)
         return None if v is None else bool(v)
 
     def token_id(key):
-        v = _field(reader, key)
+        v = metadata.get(key)
         return None if v is None else int(v)
 
     return GGUFInfo(
-        path=path, size=size, architecture=arch, name=_field(reader, "general.name"),
-        n_tensors=len(reader.tensors),
-        tensor_types=dict(Counter(t.tensor_type.name for t in reader.tensors)),
-        tokenizer_model=tok_model, n_tokens=n_tokens,
+        path=path, size=size, architecture=arch, name=metadata.get("general.name"), n_tensors=len(tensors),
+        tensor_types=dict(types), tokenizer_model=tok_model, n_tokens=n_tokens,
         add_bos=flag("tokenizer.ggml.add_bos_token"), add_eos=flag("tokenizer.ggml.add_eos_token"),
         bos_id=token_id("tokenizer.ggml.bos_token_id"), eos_id=token_id("tokenizer.ggml.eos_token_id"),
-        has_chat_template="tokenizer.chat_template" in reader.fields,
+        has_chat_template="tokenizer.chat_template" in metadata, metadata=metadata,
     )
 
 
@@ -245,14 +344,59 @@ def quiet_transformers(progress: bool = True, desc: str = "target: dequantise"):
 
 
 # --- tokenizer ----------------------------------------------------------------------------------------
-def fix_special_tokens(tokenizer, info: GGUFInfo):
-    """-> the tokenizers.Tokenizer adding BOS / EOS on encode exactly where the file's
-    tokenizer.ggml.add_bos_token / add_eos_token say so; a flag the file lacks keeps transformers' choice."""
-    from tokenizers import Tokenizer
+def rebuild_tokenizer(info: GGUFInfo):
+    """-> (tokenizers.Tokenizer, chat template or None) of the file, rebuilt by transformers' GGUF converter
+    (`transformers.integrations.ggml.convert_gguf_tokenizer`, in 4.57 and 5.x) from the header's
+    tokenizer.ggml.* metadata, with the file's BOS, EOS, unknown and padding tokens added as special tokens
+    (what transformers' tokenizer classes add on top of the converter), then our repairs: `spm_as_bpe` and
+    `fix_special_tokens`."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
+    md, path = info.metadata, info.path
+    fields = {name: md[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+              if f"tokenizer.{key}" in md}
+    tokens = md["tokenizer.ggml.tokens"]
+    # tokenizers (Rust) prints a warning on stderr for a vocabulary with a hole (Gemma 3: two tokens spell
+    # the same string, so one id has no entry); read_gguf's token count check covers it.
+    with native_stderr(VOCAB_HOLES):
+        try:
+            with quiet_transformers(progress=False):
+                tokenizer, _ = convert_gguf_tokenizer(TOKENIZER_CONVERTERS[info.architecture], fields)
+        except Exception as e:
+            raise GGUFError(f"{path}: transformers cannot rebuild its tokenizer (tokenizer.ggml.model="
+                            f"{info.tokenizer_model!r}): {type(e).__name__}: {e}") from e
+        added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+        specials = []
+        for key in ("bos", "eos", "unknown", "padding"):
+            tid = md.get(f"tokenizer.ggml.{key}_token_id")
+            if tid is not None and 0 <= tid < len(tokens) and tokens[tid] not in added:
+                specials.append(AddedToken(tokens[tid], special=True, normalized=False))
+                added.add(tokens[tid])
+        tokenizer.add_special_tokens(specials)
+        d = fix_special_tokens(spm_as_bpe(json.loads(tokenizer.to_str())), info)
+        tokenizer = Tokenizer.from_str(json.dumps(d))
+    template = md.get("tokenizer.chat_template")
+    return tokenizer, template if isinstance(template, str) and template else None
+
+
+def _token_text(d: dict, tid: int) -> str | None:
+    """The text of id `tid` in a tokenizer.json dict (an added token, or a BPE / Unigram vocabulary entry)."""
+    for t in d.get("added_tokens") or []:
+        if t["id"] == tid:
+            return t["content"]
+    vocab = (d.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        return next((piece for piece, i in vocab.items() if i == tid), None)
+    return vocab[tid][0] if isinstance(vocab, list) and 0 <= tid < len(vocab) else None
+
+
+def fix_special_tokens(d: dict, info: GGUFInfo) -> dict:
+    """-> the tokenizer.json dict `d` adding BOS / EOS on encode exactly where the file's
+    tokenizer.ggml.add_bos_token / add_eos_token say so; a flag the file lacks keeps the rebuild's choice
+    (whether its post-processor starts / ends with a special token)."""
     if info.add_bos is None and info.add_eos is None:
-        return tokenizer
-    d = json.loads(tokenizer.to_str())
+        return d
     current = d.get("post_processor") or {}
     single = current.get("single") or [] if current.get("type") == "TemplateProcessing" else []
     adds = {"bos": info.add_bos if info.add_bos is not None else bool(single) and "SpecialToken" in single[0],
@@ -260,10 +404,9 @@ def fix_special_tokens(tokenizer, info: GGUFInfo):
     ids = {"bos": info.bos_id, "eos": info.eos_id}
     ends, specials = {"bos": [], "eos": []}, {}
     for which in ("bos", "eos"):
-        tid = ids[which]
-        if adds[which] and tid is not None and 0 <= tid < tokenizer.get_vocab_size(with_added_tokens=True):
-            text = tokenizer.id_to_token(tid)
-            specials[text] = {"id": text, "ids": [tid], "tokens": [text]}
+        text = _token_text(d, ids[which]) if adds[which] and ids[which] is not None else None
+        if text is not None:
+            specials[text] = {"id": text, "ids": [ids[which]], "tokens": [text]}
             ends[which] = [text]
 
     def part(type_id, seq):
@@ -274,27 +417,24 @@ def fix_special_tokens(tokenizer, info: GGUFInfo):
     d["post_processor"] = None if not specials else {
         "type": "TemplateProcessing", "single": part(0, "A"), "pair": part(0, "A") + part(1, "B"),
         "special_tokens": specials}
-    return Tokenizer.from_str(json.dumps(d))
+    return d
 
 
-def spm_as_bpe(tokenizer):
-    """-> the tokenizer with a Unigram model over a SentencePiece vocabulary replaced by the BPE llama.cpp
-    applies to it; any other tokenizer unchanged.
+def spm_as_bpe(d: dict) -> dict:
+    """-> the tokenizer.json dict `d` with a Unigram model over a SentencePiece vocabulary replaced by the
+    BPE llama.cpp applies to it; any other model unchanged.
 
-    transformers 4.57 rebuilds a Gemma GGUF's vocabulary (tokenizer.ggml.model=llama: pieces and scores)
-    as a Unigram model, but the scores of these vocabularies are BPE merge priorities: llama.cpp's SPM
+    transformers rebuilds a Gemma GGUF's vocabulary (tokenizer.ggml.model=llama: pieces and scores) as a
+    Unigram model, but the scores of these vocabularies are BPE merge priorities: llama.cpp's SPM
     tokenizer repeatedly merges the adjacent pair whose concatenation is a piece with the highest score.
     A BPE whose merges are every split (left, right) of every piece into two pieces, ranked by the
     piece's score (highest first), merges in that order. Measured on Gemma 3 270M (README text, same
     model): the Unigram rebuild splits common words (" world" -> "▁w", "or", "ld") and costs 3.08
     bits/char with 52% more tokens; this BPE keeps them whole and costs 2.02 bits/char. Pieces, ids,
     normalizer, pre-tokenizer, decoder and added tokens stay transformers'."""
-    from tokenizers import Tokenizer
-
-    d = json.loads(tokenizer.to_str())
     model = d.get("model") or {}
     if model.get("type") != "Unigram":
-        return tokenizer
+        return d
     pieces = model["vocab"]  # [[piece, score], ...] in id order
     vocab: dict[str, int] = {}
     for i, (piece, _) in enumerate(pieces):
@@ -315,7 +455,7 @@ def spm_as_bpe(tokenizer):
                   "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
                   "byte_fallback": bool(model.get("byte_fallback", False)), "ignore_merges": False,
                   "vocab": vocab, "merges": [[left, right] for *_, left, right in ranked]}
-    return Tokenizer.from_str(json.dumps(d))
+    return d
 
 
 # --- the conversion -----------------------------------------------------------------------------------
@@ -328,87 +468,77 @@ class GGUFTarget:
     chat_template: str | None
     info: GGUFInfo
     logit_rel_error: float
-    seconds: dict[str, float]
+    seconds: dict[str, float]  # header, tokenizer, dequantise, check
 
 
-def read_gguf(path, *, max_seq_len: int | None = None, tap_layers=None, workdir=None,
-              progress: bool = True) -> GGUFTarget:
-    """Convert a GGUF file (module docstring: steps 1-3). workdir holds the temporary Hugging Face
-    checkpoint (about 4 bytes per parameter; default: the system's temporary directory)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def dense_gguf_kwargs() -> dict:
+    """from_pretrained arguments that load a GGUF as a dense float model: transformers 5 keeps quantised
+    weights in their blocks where it finds a matmul kernel for them unless GgufConfig(dequantize=True) says
+    otherwise; transformers 4.57 always dequantises (and has no GgufConfig)."""
+    import transformers
 
-    from models.hf import load_hf_target
+    config = getattr(transformers, "GgufConfig", None)
+    return {} if config is None else {"quantization_config": config(dequantize=True)}
+
+
+def read_gguf(path, *, max_seq_len: int | None = None, tap_layers=None, progress: bool = True) -> GGUFTarget:
+    """Convert a GGUF file (module docstring: steps 1-4)."""
+    from transformers import AutoModelForCausalLM
+
+    from models.hf import target_from_hf
 
     path = Path(path).absolute()
     seconds = {}
     t0 = time.perf_counter()
     log.info("gguf: reading the header of %s", path)
     info = inspect_gguf(path)
-    seconds["read"] = time.perf_counter() - t0
-    log.info("gguf: %s (%.1f s)", info.describe(), seconds["read"])
+    seconds["header"] = time.perf_counter() - t0
+    log.info("gguf: %s (%.1f s)", info.describe(), seconds["header"])
 
-    with tempfile.TemporaryDirectory(prefix="gguf-", dir=workdir) as tmp:
-        tmp = Path(tmp)
-        # transformers reads the directory too (a tokenizer.json beside the file would win over the file's
-        # own tokenizer): give it a directory holding only a link to the file.
-        src = tmp / "src"
-        src.mkdir()
-        (src / "model.gguf").symlink_to(path)
-        hf_dir = tmp / "hf"
+    t0 = time.perf_counter()
+    log.info("gguf: rebuilding the %s tokenizer (%s tokens) with transformers", info.tokenizer_model,
+             f"{info.n_tokens:,}")
+    tokenizer, chat_template = rebuild_tokenizer(info)
+    seconds["tokenizer"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        log.info("gguf: rebuilding the %s tokenizer (%s tokens) with transformers", info.tokenizer_model,
-                 f"{info.n_tokens:,}")
-        try:
-            # tokenizers (Rust) prints a warning on stderr for a vocabulary with a hole (Gemma 3: two
-            # tokens spell the same string, so one id has no entry); the token count check below covers it.
-            with quiet_transformers(progress), native_stderr(VOCAB_HOLES):
-                hf_tok = AutoTokenizer.from_pretrained(src, gguf_file="model.gguf")
-        except Exception as e:
-            raise GGUFError(f"{path}: transformers cannot rebuild its tokenizer (tokenizer.ggml.model="
-                            f"{info.tokenizer_model!r}): {type(e).__name__}: {e}") from e
-        if not getattr(hf_tok, "is_fast", False):
-            raise GGUFError(f"{path}: transformers rebuilt a slow {type(hf_tok).__name__} from tokenizer.ggml."
-                            f"model={info.tokenizer_model!r}; the pipeline needs a fast tokenizer (tokenizer.json)")
-        with native_stderr(VOCAB_HOLES):
-            tokenizer = fix_special_tokens(spm_as_bpe(hf_tok.backend_tokenizer), info)
-        chat_template = hf_tok.chat_template if isinstance(hf_tok.chat_template, str) else None
-        seconds["tokenizer"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        log.info("gguf: dequantising %d tensors to float32 with transformers", info.n_tensors)
+    t0 = time.perf_counter()
+    log.info("gguf: dequantising %d tensors to float32 with transformers", info.n_tensors)
+    with tempfile.TemporaryDirectory(prefix="gguf-") as src:
+        # transformers reads the directory too (a config.json beside the file would win over the file's own
+        # metadata): give it a directory holding only a link to the file.
+        (Path(src) / "model.gguf").symlink_to(path)
         try:
             with quiet_transformers(progress):
-                hf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file="model.gguf", dtype=torch.float32)
+                hf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file="model.gguf", dtype=torch.float32,
+                                                                **dense_gguf_kwargs())
         except Exception as e:
             raise GGUFError(f"{path}: transformers cannot load this {info.architecture} GGUF: "
                             f"{type(e).__name__}: {e}") from e
-        hf_model.eval()
-        seconds["dequantise"] = time.perf_counter() - t0
+    hf_model.eval()
+    seconds["dequantise"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        log.info("gguf: validating (models.load_hf_target, logits against transformers)")
-        with quiet_transformers(progress=False):
-            hf_model.save_pretrained(hf_dir, safe_serialization=True)
-        try:
-            model, _ = load_hf_target(hf_dir, max_seq_len=max_seq_len, tap_layers=tap_layers)
-        except (OSError, ValueError, KeyError) as e:
-            raise GGUFError(f"{path}: {str(e).replace(str(hf_dir), path.name + ' (as transformers reads it)')}") \
-                from e
-        vocab = model.cfg.vocab_size
-        n_tok = tokenizer.get_vocab_size(with_added_tokens=True)
-        if n_tok > vocab:
-            raise GGUFError(f"{path}: the rebuilt tokenizer has {n_tok:,} tokens, more than the model's "
-                            f"{vocab:,} embedding rows (ids >= {vocab:,} would index nothing)")
-        rel = logit_rel_error(model, hf_model, vocab)
-        if not rel <= LOGIT_TOLERANCE:
-            raise GGUFError(f"{path}: our {info.architecture} target disagrees with transformers' model of the "
-                            f"same file: relative logit error {rel:.2e} over {CHECK_TOKENS} tokens "
-                            f"(tolerance {LOGIT_TOLERANCE:g})")
-        del hf_model
-        seconds["validate"] = time.perf_counter() - t0
-        log.info("gguf: %s params, %d layers, logits within %.1e of transformers' (%.1f s)",
-                 f"{sum(p.numel() for p in model.parameters()):,}", model.cfg.n_layers, rel, seconds["validate"])
+    t0 = time.perf_counter()
+    log.info("gguf: checking (models.hf.target_from_hf, logits against transformers)")
+    as_read = f"{path.name} (as transformers reads it)"
+    try:
+        model = target_from_hf(hf_model.config.to_dict(), hf_model.state_dict(), as_read,
+                               max_seq_len=max_seq_len, tap_layers=tap_layers)
+    except (ValueError, KeyError) as e:
+        raise GGUFError(f"{path}: {e}") from e
+    vocab = model.cfg.vocab_size
+    n_tok = tokenizer.get_vocab_size(with_added_tokens=True)
+    if n_tok > vocab:
+        raise GGUFError(f"{path}: the rebuilt tokenizer has {n_tok:,} tokens, more than the model's "
+                        f"{vocab:,} embedding rows (ids >= {vocab:,} would index nothing)")
+    rel = logit_rel_error(model, hf_model, vocab)
+    if not rel <= LOGIT_TOLERANCE:
+        raise GGUFError(f"{path}: our {info.architecture} target disagrees with transformers' model of the "
+                        f"same file: relative logit error {rel:.2e} over {CHECK_TOKENS} tokens "
+                        f"(tolerance {LOGIT_TOLERANCE:g})")
+    del hf_model
+    seconds["check"] = time.perf_counter() - t0
+    log.info("gguf: %s params, %d layers, logits within %.1e of transformers' (%.1f s)",
+             f"{sum(p.numel() for p in model.parameters()):,}", model.cfg.n_layers, rel, seconds["check"])
     return GGUFTarget(model=model, tokenizer=tokenizer, chat_template=chat_template, info=info,
                       logit_rel_error=rel, seconds=seconds)
 
@@ -615,7 +745,6 @@ def write_gguf(model, tokenizer, path, *, dtype: str = "f32", name: str = "eagle
     `dtype` (GGUF_WRITE_TYPES). The vocabulary is written as tokenizer.ggml.model "gpt2" (tokens in id
     order, merges, added special tokens as control tokens, ids past the tokenizer's up to the embedding's
     rows as unused padding); add_bos_token is false, since our prompts carry no BOS."""
-    import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
     from gguf.quants import quantize
 

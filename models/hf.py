@@ -7,6 +7,11 @@ gelu_pytorch_tanh, MLP bias, attention logit soft-capping outside Gemma 3, bidir
 any missing, unexpected or wrongly shaped tensor: a checkpoint either loads exactly or not at all.
 `hf_weight_names` is the one place HF names map to ours.
 
+A config is read as transformers 4.57 and 5.x write it: RoPE settings from 4.x's rope_theta, rope_scaling and
+Gemma's rope_local_base_freq, or from 5.x's rope_parameters (one dict, or one per layer type), through one
+mapping (`rope_settings`, which follows 5.x's precedence: a rope_scaling key updates rope_parameters). Every
+other key the loader reads has one name in both versions.
+
 Per model type (as transformers 4.57 builds them):
   llama  : attention_bias -> bias on q, k, v and o; no sliding window
   mistral: no biases; sliding_window on every layer (or layer_types)
@@ -79,8 +84,46 @@ def text_config(d: dict) -> tuple[dict, str, str]:
     return d, mt, ""
 
 
-def target_config_from_hf(d: dict, path, *, max_seq_len: int | None = None, tap_layers=None) -> TargetConfig:
-    where = Path(path) / "config.json"
+def _rope_type(params: dict) -> str:
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def rope_settings(d: dict, model_type: str) -> dict:
+    """-> {rope_theta, rope_scaling, rope_local_theta, partial_rotary_factor} (TargetConfig fields) of a text
+    config dict of either transformers version, and `source`: the key that set rope_scaling, for messages.
+
+    transformers 5 keeps every RoPE setting in rope_parameters: {rope_type, rope_theta, scaling keys,
+    partial_rotary_factor} for one RoPE, or {full_attention: {...}, sliding_attention: {...}} for Gemma 3's
+    two. A legacy rope_scaling key updates it and a legacy rope_theta fills a missing base, as 5.x's configs
+    read them; 4.x configs carry only the legacy keys. rope_scaling is None for default (unscaled) RoPE.
+    Gemma's sliding layers take default RoPE at their own base (rope_local_theta); the others None."""
+    params = d.get("rope_parameters") or {}
+    gemma = model_type in GEMMA
+    if gemma:
+        full = dict(params.get("full_attention") or {})
+        sliding = dict(params.get("sliding_attention") or {})
+    else:
+        full, sliding = dict(params), {}
+    source = "rope_parameters"
+    if d.get("rope_scaling"):
+        full.update(d["rope_scaling"])
+        source = "rope_scaling"
+    theta = full.pop("rope_theta", d.get("rope_theta", 10000.0))
+    prf = full.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    out = {"rope_theta": float(theta), "partial_rotary_factor": float(prf),
+           "rope_scaling": full if _rope_type(full) != "default" else None, "rope_local_theta": None,
+           "source": source}
+    if gemma:
+        if _rope_type(sliding) != "default":
+            raise ValueError(f"rope_parameters.sliding_attention={sliding!r}: sliding layers with RoPE type "
+                             f"{_rope_type(sliding)!r} are not implemented (they take default RoPE)")
+        out["rope_local_theta"] = float(sliding.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+    return out
+
+
+def target_config_from_hf(d: dict, where, *, max_seq_len: int | None = None, tap_layers=None) -> TargetConfig:
+    """The TargetConfig of a Hugging Face config dict (config.json, or a transformers config's to_dict());
+    `where` names it in refusals."""
     outer = d.get("model_type")
     if outer not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{where}: model_type={outer!r}: unsupported model type "
@@ -102,10 +145,14 @@ def target_config_from_hf(d: dict, path, *, max_seq_len: int | None = None, tap_
         refuse("attn_logit_softcapping", "attention logit soft-capping is not implemented for this model type")
     if gemma and d.get("use_bidirectional_attention"):
         refuse("use_bidirectional_attention", "bidirectional attention is not implemented")
-    rs = d.get("rope_scaling")
-    if rs is not None and rs.get("rope_type", rs.get("type")) not in ROPE_SCALING_TYPES:
-        refuse("rope_scaling", f"rope scaling type {rs.get('rope_type', rs.get('type'))!r} is not implemented "
-                               f"(supported: {ROPE_SCALING_TYPES})")
+    try:
+        rope = rope_settings(d, mt)
+    except ValueError as e:
+        raise ValueError(f"{where}: {prefix}{e}") from None
+    rs = rope["rope_scaling"]
+    if rs is not None and _rope_type(rs) not in ROPE_SCALING_TYPES:
+        raise ValueError(f"{where}: {prefix}{rope['source']}={rs!r}: rope scaling type {_rope_type(rs)!r} is not "
+                         f"implemented (supported: {ROPE_SCALING_TYPES})")
     L, H, heads = d["num_hidden_layers"], d["hidden_size"], d["num_attention_heads"]
     bias = bool(d.get("attention_bias", False))
     qkv_bias, o_bias = {"llama": (bias, bias), "mistral": (False, False), "qwen2": (True, False),
@@ -115,7 +162,7 @@ def target_config_from_hf(d: dict, path, *, max_seq_len: int | None = None, tap_
     extra = {}
     if gemma:
         extra = dict(hidden_act=d["hidden_activation"], norm_unit_offset=True, output_norms=True,
-                     attn_scale=d["query_pre_attn_scalar"] ** -0.5, rope_local_theta=float(d["rope_local_base_freq"]),
+                     attn_scale=d["query_pre_attn_scalar"] ** -0.5, rope_local_theta=rope["rope_local_theta"],
                      embed_scale=H ** 0.5)
     elif "hidden_act" in d:
         extra = dict(hidden_act=d["hidden_act"])
@@ -127,8 +174,8 @@ def target_config_from_hf(d: dict, path, *, max_seq_len: int | None = None, tap_
         n_kv_heads=d.get("num_key_value_heads") or heads,
         head_dim=d.get("head_dim") or H // heads,
         intermediate_size=d["intermediate_size"],
-        rope_theta=float(d.get("rope_theta", 10000.0)),
-        partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0)),
+        rope_theta=rope["rope_theta"],
+        partial_rotary_factor=rope["partial_rotary_factor"],
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
@@ -215,7 +262,7 @@ def _layout(model_type: str, tensors: dict, path) -> tuple[tuple[str, str], re.P
 
 def load_hf_target(path, *, max_seq_len: int | None = None, tap_layers=None,
                    dtype: torch.dtype = torch.float32) -> tuple[Transformer, Path | None]:
-    """-> (Transformer in eval mode, path of tokenizer.json or None).
+    """-> (Transformer in eval mode, path of tokenizer.json or None) of a checkpoint directory.
 
     max_seq_len: KV cache / RoPE table size (default min(max_position_embeddings, 4096)).
     tap_layers: explicit taps (default models.default_taps(L), checked only when taps are used).
@@ -224,34 +271,48 @@ def load_hf_target(path, *, max_seq_len: int | None = None, tap_layers=None,
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{cfg_file}: not found (is {path} a Hugging Face checkpoint directory?)")
-    hf_cfg = json.loads(cfg_file.read_text())
-    cfg = target_config_from_hf(hf_cfg, path, max_seq_len=max_seq_len, tap_layers=tap_layers)
-    model = Transformer(cfg).to(dtype)
     tensors, origin = read_safetensors_dir(path)
-    layout, skip = _layout(hf_cfg.get("model_type"), tensors, path)
+    model = target_from_hf(json.loads(cfg_file.read_text()), tensors, cfg_file,
+                           where={k: path / f for k, f in origin.items()}, max_seq_len=max_seq_len,
+                           tap_layers=tap_layers, dtype=dtype)
+    tokenizer = path / "tokenizer.json"
+    return model, (tokenizer if tokenizer.exists() else None)
+
+
+def target_from_hf(hf_cfg: dict, tensors: dict[str, torch.Tensor], config_where, *, where=None,
+                   max_seq_len: int | None = None, tap_layers=None,
+                   dtype: torch.dtype = torch.float32) -> Transformer:
+    """-> our Transformer (eval mode) of a Hugging Face config dict and its tensors under HF names (a
+    checkpoint's files, or a transformers model's state_dict()). Exactly the tensors this configuration
+    needs, each of its shape, or a ValueError naming the key: `config_where` names the config in messages,
+    `where[key]` the file a tensor came from (default: config_where)."""
+    where = where or {}
+    cfg = target_config_from_hf(hf_cfg, config_where, max_seq_len=max_seq_len, tap_layers=tap_layers)
+    model = Transformer(cfg).to(dtype)
+    layout, skip = _layout(hf_cfg.get("model_type"), tensors, config_where)
     lm_head, embed = layout[1], f"{layout[0]}embed_tokens.weight"
     names = hf_weight_names(cfg, layout)
     ours = model.state_dict()
     for hf_key in names:
         if hf_key not in tensors:
-            raise ValueError(f"{path}: missing tensor {hf_key!r} (files: {sorted(set(origin.values()))})")
+            files = sorted({Path(str(w)).name for w in where.values()}) or [str(config_where)]
+            raise ValueError(f"{config_where}: missing tensor {hf_key!r} (files: {files})")
     state = {}
     for hf_key, t in tensors.items():
         if skip.fullmatch(hf_key):
             continue
+        origin = where.get(hf_key, config_where)
         if hf_key == lm_head and cfg.tie_embeddings:
             if not torch.equal(t, tensors[embed]):
-                raise ValueError(f"{path / origin[hf_key]}: {lm_head!r} differs from the embedding but "
-                                 f"config.json has tie_word_embeddings=true")
+                raise ValueError(f"{origin}: {lm_head!r} differs from the embedding but the config has "
+                                 f"tie_word_embeddings=true")
             continue
         if hf_key not in names:
-            raise ValueError(f"{path / origin[hf_key]}: unexpected tensor {hf_key!r} (not part of a "
-                             f"{cfg_file.name} model of this configuration)")
+            raise ValueError(f"{origin}: unexpected tensor {hf_key!r} (not part of a model of this configuration)")
         expected = ours[names[hf_key]]
         if tuple(t.shape) != tuple(expected.shape):
-            raise ValueError(f"{path / origin[hf_key]}: tensor {hf_key!r} has shape {tuple(t.shape)}, "
+            raise ValueError(f"{origin}: tensor {hf_key!r} has shape {tuple(t.shape)}, "
                              f"expected {tuple(expected.shape)}")
         state[names[hf_key]] = t.to(expected.dtype)
     model.load_state_dict(state, strict=False)
-    tokenizer = path / "tokenizer.json"
-    return model.eval(), (tokenizer if tokenizer.exists() else None)
+    return model.eval()

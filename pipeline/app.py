@@ -55,6 +55,9 @@ def job_dir_id() -> str:
 # `${pid:}` in hydra.run.dir / hydra.sweep.dir: two jobs started in the same second get directories of their
 # own. Cached, so a joblib worker (which copies its launcher's resolver cache) resolves the launcher's pid.
 OmegaConf.register_new_resolver("pid", job_dir_id, use_cache=True)
+# `${max_chain:${export.max_m}}`: the largest K a .pte of that max_m serves (its verify window is K + 1 rows), so
+# a setting that must cover every K (the draft's training-time-test steps) has max_m as its one owner.
+OmegaConf.register_new_resolver("max_chain", lambda max_m: int(max_m) - 1)
 
 
 def write_result(job_dir: Path, *, job_num: int, overrides: list[str], status: str, error: str | None,

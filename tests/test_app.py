@@ -56,11 +56,39 @@ def test_gpu_preset_fits_its_own_windows_and_passes_validation():
     gpu = compose_cfg("+experiment=gpu")
     check_config(gpu)
     assert gpu.target.model.n_layers > compose_cfg().target.model.n_layers
-    # the held-out taps mirror the eval's prompts, and both fit the target's cache
-    assert gpu.taps.held_out_seq_len == gpu.runtime.prompt_len + gpu.runtime.max_new_tokens
-    assert gpu.taps.held_out_prompt_len == gpu.runtime.prompt_len
     assert max(gpu.taps.held_out_seq_len, gpu.target.train.seq_len) <= gpu.target.max_seq_len
     assert gpu.draft.draft_vocab_size >= gpu.target.tokenizer.vocab_size
+
+
+GPU_TOKENS = 1_500_000  # on-policy tokens the GPU experiment trains every draft on, at least
+
+
+def on_policy_tokens(cfg) -> int:
+    return cfg.taps.train_sequences * (cfg.taps.seq_len - cfg.taps.prompt_len)
+
+
+@pytest.mark.parametrize("preset", ["gemma3_270m", "smollm2_135m", "tiny"])
+def test_gpu_experiment_sizes_taps_and_draft_for_every_target(preset):
+    """+experiment=gpu, merged after the target preset: 1.5M+ on-policy tokens shaped like the eval, a trained
+    TTT step for every K the .pte offers (ttt_steps follows export.max_m), and a GGUF target's subtree as the
+    preset leaves it; the embedded default alone takes GPU model sizes (conf/target/tiny/gpu.yaml)."""
+    plain, gpu = compose_cfg(f"target={preset}"), compose_cfg(f"target={preset}", "+experiment=gpu")
+    assert on_policy_tokens(plain) < GPU_TOKENS <= on_policy_tokens(gpu) == 8192 * 256
+    assert gpu.taps.seq_len == gpu.taps.held_out_seq_len == gpu.runtime.prompt_len + gpu.runtime.max_new_tokens
+    assert gpu.taps.prompt_len == gpu.taps.held_out_prompt_len == gpu.runtime.prompt_len == 64
+    assert gpu.taps.seq_len <= gpu.target.max_seq_len
+    assert gpu.draft.train.ttt_steps == gpu.export.max_m - 1 == 7
+    wider = compose_cfg(f"target={preset}", "+experiment=gpu", "export.max_m=6", "export.min_prefill_chunk=7")
+    assert wider.draft.train.ttt_steps == 5, "one owner: ttt_steps follows export.max_m"
+    assert (gpu.draft.train.steps, gpu.draft.train.batch_size) == (1200, 32)
+    assert gpu.draft.draft_vocab_size == (8192 if preset == "tiny" else plain.draft.draft_vocab_size)
+    assert gpu.draft.norm_before_residual == plain.draft.norm_before_residual  # a preset's own choice stays
+    if preset == "tiny":
+        assert gpu.target.model.hidden_size == 1024 and gpu.target.model.n_layers == 20
+        assert gpu.target.model.vocab_size == gpu.target.tokenizer.vocab_size == 8192
+    else:
+        assert gpu.target == plain.target, "the experiment changes nothing of a GGUF target"
+        assert "model" not in gpu.target and "tokenizer" not in gpu.target
 
 
 def test_the_readmes_slurm_example_names_keys_of_the_submitit_launcher():

@@ -8,7 +8,6 @@ import pytest
 from pipeline import sweep
 from pipeline.stages import eval as eval_stage
 from runner.generate import GenerationResult
-from runner.text import eos_id
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -46,30 +45,8 @@ def test_first_difference():
     assert eval_stage.first_difference([1, 2], [1, 2, 3]) == 2
 
 
-def test_held_out_prompts_are_seeded_windows_inside_one_document(tmp_path):
-    from pipeline import data
-
-    files = []
-    for i in range(40):
-        f = tmp_path / f"doc{i:02d}.txt"
-        f.write_text("".join(f"line {j} of document {i}: value = {i * j}\n" for j in range(30)))
-        files.append(str(f))
-    cfg = {"kind": "text", "paths": files, "held_out_fraction": 0.3, "max_bytes": None, "text_field": "text"}
-    docs = data.documents(cfg)
-    tok = data.train_tokenizer(data.split(docs, "train"), vocab_size=300)
-    eos = eos_id(tok)
-    prompts = eval_stage.held_out_prompts(cfg, tok, 6, 24, seed=0)
-    assert len(prompts) == 6 and all(len(p) == 24 and eos not in p for p in prompts)
-    assert eval_stage.held_out_prompts(cfg, tok, 6, 24, seed=0) == prompts
-    assert eval_stage.held_out_prompts(cfg, tok, 6, 24, seed=1) != prompts
-    held = [tok.encode(t, add_special_tokens=False).ids for t in data.split(docs, "held_out")]
-    assert all(any(str(p)[1:-1] in str(h) for h in held) for p in prompts)  # cut from a held-out document
-    with pytest.raises(ValueError, match="lower runtime.prompt_len"):
-        eval_stage.held_out_prompts(cfg, tok, 6, 100_000, seed=0)
-
-
 def test_prompt_files_and_stop_tokens(tmp_path):
-    from runner.text import read_prompt_file, stop_ids
+    from runner.text import eos_id, read_prompt_file, stop_ids
     from pipeline import data
 
     (tmp_path / "p.txt").write_text("def f(x):\n\nclass A:\n")
@@ -188,6 +165,23 @@ def test_eval_writes_metrics_and_generations(stage_inputs, tmp_path):
         assert len(g["prompt_ids"]) == 12 and g["lossless"] is True
         assert len(g["output_ids"]) == 24 or g["output_ids"][-1] == 1  # the budget, or <|eos|>
         assert g["text"].split() == [(["<|bos|>", "<|eos|>"] + WORDS)[i] for i in g["output_ids"]]
+
+
+def test_eval_prompts_are_cut_as_the_taps_cut_their_held_out_prompts(stage_inputs, tmp_path):
+    """The draft stage predicts tau on held-out taps whose prompts pipeline.prompts.cut made; the eval's own
+    prompts come from the same function on the same split (seeded by runtime.seed), so both measure one
+    distribution."""
+    from omegaconf import OmegaConf
+    from tokenizers import Tokenizer
+
+    from pipeline import data, prompts
+
+    base, upstream, _ = stage_inputs
+    _, _, gens = run_stage(stage_inputs, tmp_path, chain=2, seed=5)
+    tok = Tokenizer.from_file(str(upstream["target"].path / "tokenizer.json"))
+    held_out = data.split(data.documents(OmegaConf.to_container(base.data)), "held_out")
+    assert [g["prompt_ids"] for g in gens] == prompts.cut(held_out, tok, 3, 12, 5, "plain").tolist()
+    assert [g["prompt_ids"] for g in gens] != prompts.cut(held_out, tok, 3, 12, 6, "plain").tolist()
 
 
 def test_eval_from_a_prompt_file_with_the_eager_engine_and_the_default_chain(stage_inputs, tmp_path):

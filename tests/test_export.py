@@ -327,6 +327,51 @@ def test_the_draft_reads_the_targets_embedding_when_equal():
     assert spec.draft.embed_tokens.weight is not target.embed_tokens.weight
 
 
+def test_a_draft_saved_in_bfloat16_loads_and_exports_with_a_float32_target(tmp_path):
+    """A draft as a GPU run can leave it (weights in bfloat16) loads on the CPU into the float32 draft, takes
+    the target's own embedding (the stored one is its bfloat16 rounding: one table in the program, as for a
+    float32 draft), and exports: the program's draft_decode computes the bfloat16 weights' draft."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from models import load_speculators
+
+    target = make_target(tie_embeddings=True)
+    bound = target.cfg.hidden_size ** -0.5
+    torch.nn.init.uniform_(target.embed_tokens.weight, -bound, bound)
+    trained = make_draft(target, seed=int.from_bytes(os.urandom(2), "little")).to(torch.bfloat16)
+    t_art, d_art = save_pair(tmp_path, target, trained, name="bf16")
+    stored = load_file(str(d_art.path / "model.safetensors"))
+    assert stored["fc.weight"].dtype == stored["embed_tokens.weight"].dtype == torch.bfloat16
+    assert stored["d2t"].dtype == torch.int64 and stored["t2d"].dtype == torch.bool
+    config = json.loads((d_art.path / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and "cuda" not in json.dumps(config)
+    assert not torch.equal(stored["embed_tokens.weight"].float(), target.embed_tokens.weight), \
+        "the bfloat16 table differs from the target's: the check below can fail"
+
+    draft = load_speculators(d_art.path, target)
+    assert all(t.dtype == torch.float32 for t in draft.parameters())
+    assert torch.equal(draft.fc.weight, stored["fc.weight"].float())
+    assert torch.equal(draft.embed_tokens.weight, target.embed_tokens.weight)
+    assert Speculator(target, draft).draft.embed_tokens.weight is target.embed_tokens.weight
+    other = make_target(seed=5, tie_embeddings=True)
+    with pytest.raises(ValueError, match="embed_tokens differs from the target's"):
+        load_speculators(d_art.path, other)
+
+    out = tmp_path / "export"
+    out.mkdir()
+    export_stage.run(export_cfg(backend="portable"), {"target": t_art, "draft": d_art}, out)
+    spec = export_stage.load_pair(t_art.path, d_art.path)
+    prog = program(out / export_stage.PTE)
+    with torch.no_grad():
+        feature = spec.prefill(PROMPT[:, :8], pos(0, 8))[1]
+        want = spec.draft_decode(PROMPT[:, 1:9], feature, pos(0, 8))
+    got = call(prog, "draft_decode", PROMPT[:, 1:9], feature, pos(0, 8))
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[2], want[2], **tol("none"))
+
+
 # --- refusals before any lowering ----------------------------------------------------------------------
 @pytest.fixture
 def no_lowering(monkeypatch):

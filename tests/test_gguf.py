@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
 
 from models import load_target  # noqa: E402
 from models import gguf as mg  # noqa: E402
-from models.hf import SUPPORTED_MODEL_TYPES  # noqa: E402
+from models.hf import SUPPORTED_MODEL_TYPES, rope_settings  # noqa: E402
 from pipeline.app import CONF_DIR, Job, plan_keys  # noqa: E402
 from pipeline.validate import ConfigError, check_config  # noqa: E402
 
@@ -169,7 +169,7 @@ def write_gguf(path: Path, arch: str, model, tok: dict, *, quant: dict[str, str]
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_theta)
+    w.add_rope_freq_base(rope_settings(c.to_dict(), c.model_type)["rope_theta"])  # transformers 4.57 or 5.x
     w.add_vocab_size(c.vocab_size)
     if arch == "llama":
         w.add_rope_dimension_count(head_dim)

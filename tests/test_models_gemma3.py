@@ -21,8 +21,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from models import Speculator, TargetConfig, Transformer, load_hf_target, load_target, save_target, tiny_draft  # noqa: E402
-from models.hf import GEMMA3_SLIDING_WINDOW_PATTERN, GEMMA3_TEXT_DEFAULTS  # noqa: E402
+from models import Speculator, Transformer, load_hf_target, load_target, save_target, tiny_draft  # noqa: E402
+from models.hf import GEMMA3_SLIDING_WINDOW_PATTERN, GEMMA3_TEXT_DEFAULTS, rope_settings  # noqa: E402
 from models.layers import Attention, attention_mask  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -195,12 +195,17 @@ def test_our_checkpoint_round_trips_gemma_fields(gemma, tmp_path):
     assert torch.equal(back(x), gemma.ours(x))
 
 
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_local_base_freq")  # transformers 5: rope_parameters
+
+
 def test_defaults_are_gemma3_text_config_defaults():
     ref = transformers.Gemma3TextConfig()
     for key, value in GEMMA3_TEXT_DEFAULTS.items():
-        if key == "layer_types":
+        if key == "layer_types" or key in ROPE_KEYS:
             continue  # None means the pattern below; the class fills it in
         assert getattr(ref, key) == value, key
+    assert rope_settings(ref.to_dict(), "gemma3_text") == rope_settings(GEMMA3_TEXT_DEFAULTS, "gemma3_text")
+    assert rope_settings(GEMMA3_TEXT_DEFAULTS, "gemma3_text")["rope_local_theta"] == 10_000.0
     assert ref._sliding_window_pattern == GEMMA3_SLIDING_WINDOW_PATTERN
 
 

@@ -43,6 +43,25 @@ def test_docstring_requests_name_public_functions_and_classes():
     assert prompts.docstring_requests("this is not python (") == []
 
 
+def test_plain_prompts_are_seeded_windows_inside_one_document(tmp_path):
+    files = []
+    for i in range(40):
+        f = tmp_path / f"doc{i:02d}.txt"
+        f.write_text("".join(f"line {j} of document {i}: value = {i * j}\n" for j in range(30)))
+        files.append(str(f))
+    cfg = {"kind": "text", "paths": files, "held_out_fraction": 0.3, "max_bytes": None, "text_field": "text"}
+    docs = data.documents(cfg)
+    tok = data.train_tokenizer(data.split(docs, "train"), vocab_size=300)
+    held = data.split(docs, "held_out")
+    out = prompts.cut(held, tok, 6, 24, seed=0)
+    assert out.shape == (6, 24) and eos_id(tok) not in out
+    assert prompts.cut(held, tok, 6, 24, seed=0).tolist() == out.tolist()
+    assert prompts.cut(held, tok, 6, 24, seed=1).tolist() != out.tolist()
+    assert all(any(tok.decode(p.tolist()) in h for h in held) for p in out), "a window of one held-out document"
+    with pytest.raises(ValueError, match="could not cut 6 windows of 100000 tokens"):
+        prompts.cut(held, tok, 6, 100_000, seed=0)
+
+
 def test_chat_prompts_have_the_length_the_template_and_a_whole_word_request(corpus):
     texts, tok = corpus
     n, length = 12, 64

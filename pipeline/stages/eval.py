@@ -7,9 +7,11 @@ first differing position, unless `runtime.allow_mismatch=true`, which records it
 runs are rejection-sampled and equal only in distribution, so `lossless` is null.
 
 Prompts: `runtime.prompts` (one per line, or .jsonl with "prompt"/"text"), or `runtime.n_prompts` prompts of
-`runtime.prompt_len` tokens from the held-out split of `data`, so they were never trained on: windows at
-seeded random offsets (never crossing a document boundary), or with `data.prompt_format=chat` requests built
-from its docstrings in the target's chat template (pipeline.prompts, as the taps stage builds them).
+`runtime.prompt_len` tokens from the held-out split of `data`, so they were never trained on, cut by the
+function that cuts the taps' held-out prompts (pipeline.prompts.cut, seeded by `runtime.seed`): windows of
+corpus text at seeded places of documents, or with `data.prompt_format=chat` requests built from its
+docstrings in the target's chat template. The eval's prompts and the held-out taps on which the draft stage
+predicts tau are thereby draws from one distribution.
 
 Engines (`runtime.engine`): `pte` runs the .pte through executorch.runtime; `eager` runs the same modules in
 PyTorch with the .pte's windows; `cuda` runs them on a GPU with CUDA graphs (runner.cuda_engine) in the
@@ -32,16 +34,15 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from pipeline import data, tracking
 from models.gguf import load_chat_template
 from pipeline.artifacts import PTE, engine_upstream, load_engine, pte_path
-from pipeline.prompts import chat_prompts
+from pipeline.prompts import cut
 from runner.generate import GenerationResult, generate, resolve_chain
-from runner.text import eos_id, read_prompt_file, stop_ids
+from runner.text import read_prompt_file, stop_ids
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +58,6 @@ CONTENT_ADDRESSED = False
 
 def upstream_for(cfg: DictConfig) -> tuple[str, ...]:
     return engine_upstream(cfg)
-
-
-def held_out_prompts(data_cfg: dict, tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
-    """n windows of `length` tokens from the held-out split, at seeded offsets, none crossing an EOS."""
-    stream = data.encode(tokenizer, data.split(data.documents(data_cfg), "held_out"))
-    eos = eos_id(tokenizer)
-    ends = np.append(np.flatnonzero(stream == eos) if eos is not None else [], len(stream)).astype(np.int64)
-    starts = np.arange(len(stream))
-    valid = starts[ends[np.searchsorted(ends, starts)] >= starts + length]  # the window holds no EOS
-    if len(valid) < n:
-        raise ValueError(f"the held-out split has only {len(valid)} windows of {length} tokens inside one "
-                         f"document; lower runtime.prompt_len or runtime.n_prompts")
-    picks = np.sort(np.random.default_rng(seed).choice(valid, size=n, replace=False))
-    return [stream[s:s + length].tolist() for s in picks]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -145,12 +132,9 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         prompts = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
     else:
         data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
-        if data_cfg.get("prompt_format", "plain") == "chat":
-            held_out = data.split(data.documents(data_cfg), "held_out")
-            prompts = chat_prompts(held_out, tokenizer, load_chat_template(upstream["target"].path),
-                                   int(rt.n_prompts), int(rt.prompt_len), int(rt.seed)).tolist()
-        else:
-            prompts = held_out_prompts(data_cfg, tokenizer, int(rt.n_prompts), int(rt.prompt_len), int(rt.seed))
+        held_out = data.split(data.documents(data_cfg), "held_out")
+        prompts = cut(held_out, tokenizer, int(rt.n_prompts), int(rt.prompt_len), int(rt.seed),
+                      data_cfg.get("prompt_format", "plain"), load_chat_template(upstream["target"].path)).tolist()
         texts = [tokenizer.decode(p) for p in prompts]
     if not prompts:
         raise ValueError("no prompts to evaluate")

@@ -45,7 +45,6 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open

@@ -19,8 +19,8 @@ modification times of the files in DIR, so a checkpoint changed in place is conv
 
 `target=gguf target.path=FILE.gguf` (or `target.package=NAME`, a package carrying or assembling a GGUF,
 models.gguf.PACKAGES) converts a llama.cpp GGUF file with models.gguf.read_gguf: transformers' reader
-dequantises it to float32, models.load_hf_target validates it, and our model's logits are checked against
-transformers' before anything is written. The key includes the file's size and modification time (for a
+dequantises it to float32, models.hf.target_from_hf validates it, and our model's logits are checked
+against transformers' before anything is written. The key includes the file's size and modification time (for a
 package: its installed version and the file's declared sha256, or the carried file's size and mtime), so
 a changed file converts again and an unchanged one converts once. Assembled package files are cached
 under `<paths.store>/.gguf/`.
@@ -132,12 +132,7 @@ def convert_gguf(cfg: DictConfig, out: Path) -> dict:
     tc = cfg.target
     path = gguf_source(cfg)
     taps = tc.get("tap_layers")
-    try:
-        workdir = scratch_dir()  # in the store: room for a float32 copy, removed after the build
-    except RuntimeError:
-        workdir = None
-    g = read_gguf(path, max_seq_len=tc.get("max_seq_len"), tap_layers=None if taps is None else tuple(taps),
-                  workdir=workdir)
+    g = read_gguf(path, max_seq_len=tc.get("max_seq_len"), tap_layers=None if taps is None else tuple(taps))
     t0 = time.perf_counter()
     save_target(g.model, out)
     g.tokenizer.save(str(out / "tokenizer.json"))
