@@ -169,6 +169,7 @@ class Job:
             self.help(mods, keys)
             return {}
         commit = git_commit(Path(__file__).parent)
+        tracking.sync(self.tracker)  # what earlier jobs could not send: their runs end as they ended
         tracking.close_stale_runs(self.tracker)  # left RUNNING by a job that was killed (SIGKILL) before this one
         parent = tracking.sweep_parent(self.tracker, self.sweep_dir) if self.sweep_dir else None
         name = f"job {self.job_num}: {' '.join(self.overrides)}" if self.sweep_dir else \
@@ -195,8 +196,10 @@ class Job:
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
+            self.tracker.finish(self.job_dir)  # writes it could not send go to tracking_pending.json, beside:
             write_result(self.job_dir, job_num=self.job_num, overrides=self.overrides, status=status, error=error,
-                         mlflow_run_id=self.run_id, tracking_note=self.tracker.note(), stage_results=self.results)
+                         mlflow_run_id=self.tracker.resolve(self.run_id), tracking_note=self.tracker.note(),
+                         stage_results=self.results)
 
     def help(self, mods: dict[str, ModuleType], keys: dict[str, str | None]) -> None:
         """A rank other than 0: run this rank's share of each stage rank 0 builds that has work to share
@@ -297,8 +300,9 @@ class Job:
         lines.append(f"job dir: {self.job_dir}")
         lines.append(f"store:   {self.store.root}   (python -m pipeline.store list|verify --root {self.store.root})")
         if self.tracker.enabled:
-            lines.append(f"MLflow:  {self.tracker.uri}   (run {self.run_id})")
-            lines.append(f"  look at it with: {tracking.ui_command(self.tracker.uri, self.tracker.experiment_id)}")
+            lines.append(f"MLflow:  {self.tracker.uri}   (run {self.tracker.resolve(self.run_id)})")
+            if self.tracker.experiment_id is not None:
+                lines.append(f"  look at it with: {tracking.ui_command(self.tracker.uri, self.tracker.experiment_id)}")
             if note := self.tracker.note():
                 lines.append(f"  {note}")
         else:
