@@ -69,8 +69,9 @@ def load_engine(cfg: DictConfig, upstream: dict):
     engine = str(cfg.runtime.engine)  # pipeline.validate refused any other, and cuda without a CUDA device
     if engine not in ENGINES:
         raise ValueError(f"runtime.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "pte":
-        return PteEngine(pte_path(upstream["export"]), verified=True)  # the store re-hashed the artifact's files
+    if engine == "pte":  # the store re-hashed the artifact's files
+        return PteEngine(pte_path(upstream["export"]), verified=True,
+                         tokenizer=Path(upstream["target"].path) / "tokenizer.json")
     from models import Speculator, load_speculators, load_target
 
     target = load_target(upstream["target"].path)
