@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline import distributed, stages, tracking
 from pipeline.sweep import RESULT_FILE
 from pipeline.store import Artifact, Store, cache_key, git_commit
-from pipeline.validate import ConfigError, check_config
+from pipeline.validate import ConfigError, check_config, check_prompts_with_target
 
 log = logging.getLogger("pipeline")
 
@@ -182,6 +182,8 @@ class Job:
             with self.tracker.run(name, parent=parent, tags=tags, params=params) as self.run_id:
                 artifacts: dict[str, Artifact] = {}
                 needed = needed_stages(self.cfg, mods, keys, self.store)
+                if "eval" in mods and keys.get("target") and self.store.exists("target", keys["target"]):
+                    check_prompts_with_target(self.cfg, self.store.path("target", keys["target"]))
                 self._cached_at_start = {n for n in needed if keys[n] is not None and self.store.exists(n, keys[n])}
                 distributed.broadcast({"keys": keys, "needed": sorted(needed), "cached": sorted(self._cached_at_start)},
                                       "the job's plan")
