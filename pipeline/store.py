@@ -146,6 +146,11 @@ def git_commit(cwd: Path | None = None) -> str:
 _current: tuple[Store, str, str] | None = None
 
 
+def building() -> bool:
+    """Whether a stage is being built in this process (then `scratch_dir()` names its scratch directory)."""
+    return _current is not None
+
+
 def scratch_dir(stage: str | None = None, key: str | None = None) -> Path:
     """Directory for resumable work of (stage, key); defaults to the stage being built right now."""
     if _current is None:

@@ -9,7 +9,8 @@ Order of work, so that every refusal comes before the minutes of lowering:
 2. the pairing: the draft artifact must have been built for THIS target artifact when its manifest names
    one, and its weights must fit the target (hidden size, vocab, tap layers, d2t/t2d and the frozen
    embedding, checked by models.load_speculators);
-3. lowering (export_pte), one method at a time with progress.
+3. lowering (export_pte), one method at a time with progress, each lowered method kept in the stage's
+   scratch dir until the artifact is stored, so a killed export lowers again only what it had not finished.
 
 The manifest hash baked into the .pte (`get_manifest_hash`) is sha256 over the canonical JSON of
 `pairing_facts`: the sha256 of every file of the target artifact (config, weights, tokenizer.json) and of
@@ -31,7 +32,7 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import PTE
 from pipeline.export_pte import check_export_args, export_pte, windows
-from pipeline.store import hash_tree
+from pipeline.store import building, hash_tree, scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     log.info("export %s/%s: target %s + draft %s, max_m=%d (K in [1, %d]), manifest hash %s", args["backend"],
              args["quant"], target_art.key[:12], draft_art.key[:12], max_m, max_m - 1, manifest_hash[:16])
 
-    report = export_pte(speculator, out_path=Path(out) / PTE, manifest_hash=manifest_hash, **args)
+    scratch = scratch_dir() if building() else None  # lowered methods: a killed export resumes from them
+    report = export_pte(speculator, out_path=Path(out) / PTE, manifest_hash=manifest_hash, scratch=scratch, **args)
     report["pairing"] = facts
     return report
 
