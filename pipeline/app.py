@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline import distributed, stages, tracking
 from pipeline.sweep import RESULT_FILE
-from pipeline.store import Artifact, Store, cache_key, git_commit
+from pipeline.store import Artifact, Store, cache_key, check_artifact, corrupt_message, git_commit
 from pipeline.validate import ConfigError, check_config, check_prompts_with_target
 
 log = logging.getLogger("pipeline")
@@ -244,6 +244,10 @@ class Job:
         log.info("cached %s %s (not loaded: nothing downstream needs it)", name, key)
         self.results[name] = {"key": key, "cached": True, "path": str(self.store.path(name, key)),
                               "report": manifest.get("report", {})}
+        problems = check_artifact(self.store.path(name, key), hash_files="quick").problems
+        if problems:  # nothing this job reads is damaged, so it goes on; the store needs a repair
+            log.warning("%s", corrupt_message(self.store.root, name, self.store.path(name, key), problems, read=False))
+            self.results[name]["problems"] = list(problems)
         self.tracker.log_metrics(self.run_id, tracking.numeric(self.results[name]["report"], prefix=f"{name}."))
         self.tracker.set_tags(self.run_id, {f"{name}.key": key, f"{name}.cached": "true"})
 
@@ -280,8 +284,10 @@ class Job:
             report = build(out)
             cached, result = False, report
         else:
+            estimate = (lambda: mod.estimate_bytes(self.cfg, upstream)) if hasattr(mod, "estimate_bytes") else None
             artifact, cached = self.store.get_or_build(
-                name, key, build, config=subtrees, upstream=upstream_keys, schema_version=mod.SCHEMA_VERSION)
+                name, key, build, config=subtrees, upstream=upstream_keys, schema_version=mod.SCHEMA_VERSION,
+                estimate=estimate)
             if announce:  # another job stored it meanwhile
                 distributed.broadcast("cached", f"whether rank 0 builds {name}")
             out, report, result = artifact.path, artifact.report, artifact
