@@ -527,8 +527,12 @@ def load_lowered(path: Path):
     if not path.is_file():
         return None
     extra = {"versions": "", "requires_grad": "[]"}
-    with _quiet_serde():
-        program = load(str(path), extra_files=extra)
+    try:
+        with _quiet_serde():
+            program = load(str(path), extra_files=extra)
+    except Exception as e:  # written atomically, so only a damaged disk gets here: lower it again
+        log.warning("%s is not a readable lowered method (%s: %s): lowering it again", path, type(e).__name__, e)
+        return None
     if extra["versions"] != _lowered_version():
         log.info("%s was lowered by %s, not %s: lowering it again", path.name, extra["versions"], _lowered_version())
         return None
@@ -600,7 +604,6 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     with _tracing_mode(speculator), _export_graph(speculator, attention, fc_norms):
         for name, (wrap, args, dynamic_shapes, (lo, hi)) in specs.items():
             if saved and (program := load_lowered(saved[name])) is not None:
-                log.info("lowered %s: resumed from %s", name, saved[name])
                 lowered[name] = program
                 resumed.append(name)
                 bar.update(2)
@@ -629,7 +632,7 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
             report.setdefault("n_ops_outside_delegate", {})[name] = sum(outside.values())
             report.setdefault("ops_outside_delegate", {})[name] = listing  # strings: kept out of the metrics
             log.info("lowered %s: %s, %d delegate calls, %d ops outside the delegate%s", name,
-                     f"{timings[f'lower_{name}_s']:.1f} s" if f"lower_{name}_s" in timings else "resumed",
+                     f"{timings[f'lower_{name}_s']:.1f} s" if f"lower_{name}_s" in timings else f"resumed from {saved[name]}",
                      delegates, sum(outside.values()),
                      " (portable kernels: no delegate)" if backend == "portable" else
                      ": " + (", ".join(listing) or "none"))

@@ -308,6 +308,24 @@ def check_db_dir(db: Path) -> Path:
     return lock
 
 
+def create_db(db: Path) -> None:
+    """A new SQLite store: MLflow's schema migrations run on a temporary file renamed into place, so a process
+    killed during them (they take 5-15 s) leaves no half-migrated store that MLflow would refuse. The caller
+    holds the lock beside `db`; temporary files of killed creators are removed."""
+    from mlflow.tracking import MlflowClient
+
+    for stale in db.parent.glob(f".{db.name}.*.tmp"):
+        stale.unlink(missing_ok=True)
+    tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
+    with _MUTE.during():
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
+        client.search_experiments()  # the store (and its schema) is made on first use
+    engine = getattr(client._tracking_client.store, "engine", None)
+    if engine is not None:
+        engine.dispose()
+    os.replace(tmp, db)
+
+
 def _index_entry(outputs: Path, pending: Path) -> Path:
     return Path(outputs) / PENDING_INDEX / (hashlib.sha256(str(pending).encode()).hexdigest()[:20] + ".json")
 
@@ -410,7 +428,8 @@ def _sync_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     outputs = args.outputs or Path(os.environ.get("PIPELINE_OUTPUTS") or "outputs")
-    files = pending_files(outputs) + [p / PENDING_FILE if p.is_dir() else p for p in args.paths]
+    files = list(dict.fromkeys(f.absolute() for f in [*pending_files(outputs),
+                                                          *(p / PENDING_FILE if p.is_dir() else p for p in args.paths)]))
     groups: dict[tuple, list[Path]] = {}
     for f in files:
         try:
@@ -477,6 +496,8 @@ class Tracker:
             lock = check_db_dir(db)
         # MLflow creates the schema when the client is made: that and the experiment happen under one lock.
         with FileLock(str(lock), timeout=OPEN_LOCK_S) if db else contextlib.nullcontext():
+            if db is not None and not db.exists():
+                create_db(db)
             self.client, self.experiment_id = _attempts(lambda: self._open(db, experiment, artifact_root),
                                                         self.retry_s)
 

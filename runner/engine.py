@@ -20,8 +20,8 @@ prefill range), sliding_window (smallest window of any layer, or None), manifest
   exported minimum without complaint, so the loop (runner.generate) enforces the bounds itself. A .pte with
   a manifest.json beside it (the export artifact's) is loaded only when its sha256 is the one the manifest's
   `files` records (`check_pte`); one without a manifest is loaded unchecked, with a warning saying so. A file
-  that is not an ExecuTorch program, or a tokenizer that does not fit the program, is refused naming both
-  (`check_inputs`).
+  that is not an ExecuTorch program (`check_program_file`), or a tokenizer that does not fit the program
+  (`check_tokenizer`), is refused naming both.
 - `EagerEngine`: `models.Speculator` in PyTorch on CPU or CUDA (the same module the .pte was traced from).
 """
 
@@ -111,22 +111,20 @@ def check_pte(path: str | pathlib.Path) -> bool:
 PTE_IDENTIFIER = re.compile(rb"ET[0-9a-zA-Z]{2}")  # a .pte's flatbuffer file identifier, bytes 4-8
 
 
-def check_inputs(path: pathlib.Path, meta: dict | None = None, tokenizer: str | pathlib.Path | None = None) -> None:
-    """What can be checked cheaply before a .pte runs. Without `meta`: the file is an ExecuTorch program (its
-    flatbuffer identifier). With `meta` (the loaded program's constants) and a tokenizer.json: the tokenizer's
-    vocabulary fits the program, judged by its sha256 against the pairing facts behind `get_manifest_hash`
-    where those are found (the export artifact's manifest beside the .pte, or an export artifact of the store
-    that holds the tokenizer's target artifact), by its size against `get_vocab_size` where not. A mismatch
-    raises ValueError naming both sides."""
-    if meta is None:
-        with open(path, "rb") as f:
-            head = f.read(8)
-        if not PTE_IDENTIFIER.fullmatch(head[4:8]):
-            raise ValueError(f"{path} is not an ExecuTorch program (bytes 4-8 are {head[4:8]!r}, where a .pte has "
-                             f"its identifier b'ET..'): pass the model.pte the export stage wrote")
-        return
-    if tokenizer is None:
-        return
+def check_program_file(path: pathlib.Path) -> None:
+    """Refuse a file that is not an ExecuTorch program (its flatbuffer identifier), before the runtime reads it."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if not PTE_IDENTIFIER.fullmatch(head[4:8]):
+        raise ValueError(f"{path} is not an ExecuTorch program (bytes 4-8 are {head[4:8]!r}, where a .pte has "
+                         f"its identifier b'ET..'): pass the model.pte the export stage wrote")
+
+
+def check_tokenizer(path: pathlib.Path, meta: dict, tokenizer: str | pathlib.Path) -> None:
+    """Refuse a tokenizer.json that does not fit the loaded program (`meta`): by its sha256 against the
+    pairing facts behind `get_manifest_hash` where those are found (the export artifact's manifest beside the
+    .pte, or an export artifact of the store holding the tokenizer's target artifact), by its size against
+    `get_vocab_size` where not. The ValueError names both sides."""
     tokenizer = pathlib.Path(tokenizer)
     facts = _pairing_facts(path, meta["manifest_hash"], tokenizer)
     if facts is not None and facts[1].get("tokenizer_sha256"):
@@ -193,11 +191,11 @@ class PteEngine:
     def __init__(self, path: str | pathlib.Path, *, verified: bool = False, tokenizer: str | pathlib.Path | None = None):
         """`verified=True`: the caller has already checked the file against its manifest (the store does when
         it loads an artifact), so it is not hashed a second time. `tokenizer`: the tokenizer.json the caller
-        encodes with, checked against the program (`check_inputs`)."""
+        encodes with, checked against the program (`check_tokenizer`)."""
         self.path = pathlib.Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no .pte at {self.path}")
-        check_inputs(self.path)
+        check_program_file(self.path)
         self.checked = verified or check_pte(self.path)
 
         from executorch.runtime import Runtime
@@ -223,7 +221,8 @@ class PteEngine:
         self.meta["manifest_hash"] = str(self._constant("get_manifest_hash")[0])  # 64 hex chars (sha256)
         self.meta["d2t"] = self._constant("get_d2t")[0].to(torch.long).clone()
         self.meta["sliding_window"] = self.meta["sliding_window"] or None
-        check_inputs(self.path, self.meta, tokenizer)
+        if tokenizer is not None:
+            check_tokenizer(self.path, self.meta, tokenizer)
 
     def _constant(self, name: str):
         return self.program.load_method(name).execute([])
