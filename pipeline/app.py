@@ -37,8 +37,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline import distributed, hardware, stages, tracking
 from pipeline.sweep import RESULT_FILE
-from pipeline.store import Artifact, Store, cache_key, git_commit
-from pipeline.validate import ConfigError, check_config
+from pipeline.store import Artifact, Store, cache_key, check_artifact, corrupt_message, git_commit
+from pipeline.validate import ConfigError, check_config, check_prompts_with_target
 
 log = logging.getLogger("pipeline")
 
@@ -178,6 +178,7 @@ class Job:
             self.help(mods, keys)
             return {}
         commit = git_commit(Path(__file__).parent)
+        tracking.sync(self.tracker)  # what earlier jobs could not send: their runs end as they ended
         tracking.close_stale_runs(self.tracker)  # left RUNNING by a job that was killed (SIGKILL) before this one
         parent = tracking.sweep_parent(self.tracker, self.sweep_dir) if self.sweep_dir else None
         name = f"job {self.job_num}: {' '.join(self.overrides)}" if self.sweep_dir else \
@@ -190,6 +191,8 @@ class Job:
             with self.tracker.run(name, parent=parent, tags=tags, params=params) as self.run_id:
                 artifacts: dict[str, Artifact] = {}
                 needed = needed_stages(self.cfg, mods, keys, self.store)
+                if "eval" in mods and keys.get("target") and self.store.exists("target", keys["target"]):
+                    check_prompts_with_target(self.cfg, self.store.path("target", keys["target"]))
                 self._cached_at_start = {n for n in needed if keys[n] is not None and self.store.exists(n, keys[n])}
                 distributed.broadcast({"keys": keys, "needed": sorted(needed), "cached": sorted(self._cached_at_start)},
                                       "the job's plan")
@@ -204,8 +207,10 @@ class Job:
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
+            self.tracker.finish(self.job_dir)  # writes it could not send go to tracking_pending.json, beside:
             write_result(self.job_dir, job_num=self.job_num, overrides=self.overrides, status=status, error=error,
-                         mlflow_run_id=self.run_id, tracking_note=self.tracker.note(), stage_results=self.results)
+                         mlflow_run_id=self.tracker.resolve(self.run_id), tracking_note=self.tracker.note(),
+                         stage_results=self.results)
 
     def help(self, mods: dict[str, ModuleType], keys: dict[str, str | None]) -> None:
         """A rank other than 0: run this rank's share of each stage rank 0 builds that has work to share
@@ -248,6 +253,10 @@ class Job:
         log.info("cached %s %s (not loaded: nothing downstream needs it)", name, key)
         self.results[name] = {"key": key, "cached": True, "path": str(self.store.path(name, key)),
                               "report": manifest.get("report", {})}
+        problems = check_artifact(self.store.path(name, key), hash_files="quick").problems
+        if problems:  # nothing this job reads is damaged, so it goes on; the store needs a repair
+            log.warning("%s", corrupt_message(self.store.root, name, self.store.path(name, key), problems, read=False))
+            self.results[name]["problems"] = list(problems)
         self.tracker.log_metrics(self.run_id, tracking.numeric(self.results[name]["report"], prefix=f"{name}."))
         self.tracker.set_tags(self.run_id, {f"{name}.key": key, f"{name}.cached": "true"})
 
@@ -284,8 +293,10 @@ class Job:
             report = build(out)
             cached, result = False, report
         else:
+            estimate = (lambda: mod.estimate_bytes(self.cfg, upstream)) if hasattr(mod, "estimate_bytes") else None
             artifact, cached = self.store.get_or_build(
-                name, key, build, config=subtrees, upstream=upstream_keys, schema_version=mod.SCHEMA_VERSION)
+                name, key, build, config=subtrees, upstream=upstream_keys, schema_version=mod.SCHEMA_VERSION,
+                estimate=estimate)
             if announce:  # another job stored it meanwhile
                 distributed.broadcast("cached", f"whether rank 0 builds {name}")
             out, report, result = artifact.path, artifact.report, artifact
@@ -306,8 +317,9 @@ class Job:
         lines.append(f"job dir: {self.job_dir}")
         lines.append(f"store:   {self.store.root}   (python -m pipeline.store list|verify --root {self.store.root})")
         if self.tracker.enabled:
-            lines.append(f"MLflow:  {self.tracker.uri}   (run {self.run_id})")
-            lines.append(f"  look at it with: {tracking.ui_command(self.tracker.uri, self.tracker.experiment_id)}")
+            lines.append(f"MLflow:  {self.tracker.uri}   (run {self.tracker.resolve(self.run_id)})")
+            if self.tracker.experiment_id is not None:
+                lines.append(f"  look at it with: {tracking.ui_command(self.tracker.uri, self.tracker.experiment_id)}")
             if note := self.tracker.note():
                 lines.append(f"  {note}")
         else:

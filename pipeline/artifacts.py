@@ -66,7 +66,8 @@ def load_engine(cfg, upstream: dict):
     if engine not in ENGINES:
         raise ValueError(f"runtime.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if engine == "pte":
-        return PteEngine(pte_path(upstream["export"]), verified=True)  # the store re-hashed the artifact's files
+        return PteEngine(pte_path(upstream["export"]), verified=True,  # the store re-hashed the artifact's files
+                         tokenizer=Path(upstream["target"].path) / "tokenizer.json")
     if engine == "cuda":
         from pipeline.export_pte import windows
         from runner.cuda_engine import load_cuda_engine

@@ -41,9 +41,10 @@ class MlflowSweep(Callback):
         failed = [r["job_num"] for r in results if r.get("status") != "ok"]
         if self.tracker is not None and self.parent:
             self.tracker.end_run(self.parent, "FAILED" if failed else "FINISHED")
+            self.tracker.finish(sweep_dir)  # what could not be sent: the next job replays it
         print(f"sweep: {len(results)} job(s) in {sweep_dir}" + (f", failed: {failed}" if failed else ""))
-        if self.tracker is not None and self.tracker.enabled:
-            print(f"MLflow parent run {self.parent}; look at it with: "
+        if self.tracker is not None and self.tracker.enabled and self.tracker.experiment_id is not None:
+            print(f"MLflow parent run {self.tracker.resolve(self.parent)}; look at it with: "
                   f"{tracking.ui_command(self.tracker.uri, self.tracker.experiment_id)}")
         if failed:
             sys.exit(1)

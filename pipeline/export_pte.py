@@ -476,16 +476,95 @@ def _tracing_mode(speculator: nn.Module):
             draft.check_gaps = saved
 
 
+# --- resumable lowering: one file per lowered method -------------------------------------------------
+LOWERED_SUFFIX = ".lowered.pt2"
+
+
+@contextlib.contextmanager
+def _quiet_serde():
+    """exir's serde logs a warning per unbacked symbol it does not find again and warns of deprecated
+    ShapeEnv calls: facts of its internals, not of the program."""
+    import warnings
+
+    logger = logging.getLogger("executorch.exir.serde.export_serialize")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _lowered_version() -> str:
+    import importlib.metadata
+
+    return f"torch {torch.__version__}, executorch {importlib.metadata.version('executorch')}"
+
+
+def save_lowered(program, path: Path) -> None:
+    """One lowered method (an edge ExportedProgram with its delegates) written atomically with exir's serde,
+    tagged with the library versions that lowered it and with which of its tensors require grad (the serde
+    drops the flag, and the emitter writes it into the program)."""
+    import json
+
+    from executorch.exir.serde.serialize import save
+
+    tensors = {**program.state_dict, **program.constants,  # and the placeholders' fake values the emitter reads
+               **{n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}}
+    grad = sorted(k for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad)
+    tmp = path.with_name(path.name + ".tmp")
+    with _quiet_serde():
+        save(program, str(tmp), extra_files={"versions": _lowered_version(), "requires_grad": json.dumps(grad)})
+    tmp.replace(path)
+
+
+def load_lowered(path: Path):
+    """The lowered method saved at `path` as it was before saving, or None when there is none or other library
+    versions wrote it (then the method is lowered again)."""
+    import json
+
+    from executorch.exir.serde.serialize import load
+
+    if not path.is_file():
+        return None
+    extra = {"versions": "", "requires_grad": "[]"}
+    try:
+        with _quiet_serde():
+            program = load(str(path), extra_files=extra)
+    except Exception as e:  # written atomically, so only a damaged disk gets here: lower it again
+        log.warning("%s is not a readable lowered method (%s: %s): lowering it again", path, type(e).__name__, e)
+        return None
+    if extra["versions"] != _lowered_version():
+        log.info("%s was lowered by %s, not %s: lowering it again", path.name, extra["versions"], _lowered_version())
+        return None
+    grad = set(json.loads(extra["requires_grad"]))
+    for table in (program.state_dict, program.constants):
+        for name in grad & set(table):
+            table[name] = nn.Parameter(table[name], requires_grad=True)
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in grad:
+            node.meta["val"].requires_grad_(True)
+    return program
+
+
 def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "none", group_size: int = 32,
                out_path: Path | str, manifest_hash: str, progress: bool = True,
-               attention: str = "llama_ops", fc_norms: bool = True) -> dict:
+               attention: str = "llama_ops", fc_norms: bool = True, scratch: Path | None = None) -> dict:
     """Lower `speculator` (a models.Speculator) into one .pte at `out_path`; return a JSON-able report.
 
     quant="int4" quantizes `speculator` IN PLACE, "int4_draft" its draft (the stage loads a fresh one; copy
     first to keep fp32).
     `attention` is the cached path the methods are traced with (`pick_attention`), `fc_norms` makes every
     RMSNorm's mean a linear (RMSNorm.set_fc_mean); the speculator's caches are reallocated empty. Every argument is checked before tracing starts (ValueError with the offending value).
+
+    `scratch` (the export stage's scratch dir): each method, once lowered, is saved there
+    (`<method>.lowered.pt2`) and the program is emitted from the saved methods, so a run that was killed
+    lowers again only the methods it had not saved, and its .pte is byte for byte the one an uninterrupted
+    run writes (both emit from the same files; a method is the unit: to_edge_transform_and_lower and the
+    partitioner run per method, and exir's serde keeps a lowered one with its delegate payloads).
     """
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
@@ -518,38 +597,51 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
                          hidden=draft.cfg.hidden_size)
     report["t_range"] = {name: list(spec[3]) for name, spec in specs.items()}
     compile_config = EdgeCompileConfig(_check_ir_validity=False)
-    exported, lowered, timings = {}, {}, {}
+    lowered, timings, resumed = {}, {}, []
+    saved = {name: Path(scratch) / f"{name}{LOWERED_SUFFIX}" for name in specs} if scratch is not None else {}
+    partitioners = _partitioners(backend)
     bar = tqdm(total=2 * len(specs), desc=f"export {backend}/{quant}", disable=not progress, leave=False)
+    # One method at a time, so progress and the per-method op census are visible, and so a method is the unit
+    # a killed export resumes from; the edge programs are then joined into one manager, whose to_executorch
+    # plans the shared buffers across all of them.
     with _tracing_mode(speculator), _export_graph(speculator, attention, fc_norms):
         for name, (wrap, args, dynamic_shapes, (lo, hi)) in specs.items():
-            bar.set_postfix_str(f"torch.export {name}")
-            t0 = time.perf_counter()
-            exported[name] = export(wrap(speculator), args, dynamic_shapes=dynamic_shapes, strict=False)
-            timings[f"export_{name}_s"] = time.perf_counter() - t0
-            log.info("torch.export %s (T in [%d, %d]): %.1f s", name, lo, hi, timings[f"export_{name}_s"])
-            bar.update()
-    # One method at a time, so progress and the per-method op census are visible; the edge programs are
-    # then joined into one manager, whose to_executorch plans the shared buffers across all of them.
-    partitioners = _partitioners(backend)
-    for name, ep in exported.items():
-        bar.set_postfix_str(f"lower {name}")
-        t0 = time.perf_counter()
-        lowered[name] = to_edge_transform_and_lower(
-            {name: ep}, partitioner={name: partitioners} if partitioners else None,
-            compile_config=compile_config).exported_program(name)
-        timings[f"lower_{name}_s"] = time.perf_counter() - t0
-        delegates, outside = graph_ops(lowered[name])
-        listing = [f"{op} x{n}" for op, n in outside.items()]
-        report.setdefault("delegate_calls", {})[name] = delegates
-        report.setdefault("n_ops_outside_delegate", {})[name] = sum(outside.values())
-        report.setdefault("ops_outside_delegate", {})[name] = listing  # strings: kept out of the metrics
-        log.info("lowered %s: %.1f s, %d delegate calls, %d ops outside the delegate%s", name,
-                 timings[f"lower_{name}_s"], delegates, sum(outside.values()),
-                 " (portable kernels: no delegate)" if backend == "portable" else
-                 ": " + (", ".join(listing) or "none"))
-        bar.update()
+            if saved and (program := load_lowered(saved[name])) is not None:
+                lowered[name] = program
+                resumed.append(name)
+                bar.update(2)
+            else:
+                bar.set_postfix_str(f"torch.export {name}")
+                t0 = time.perf_counter()
+                ep = export(wrap(speculator), args, dynamic_shapes=dynamic_shapes, strict=False)
+                timings[f"export_{name}_s"] = time.perf_counter() - t0
+                log.info("torch.export %s (T in [%d, %d]): %.1f s", name, lo, hi, timings[f"export_{name}_s"])
+                bar.update()
+                bar.set_postfix_str(f"lower {name}")
+                t0 = time.perf_counter()
+                lowered[name] = to_edge_transform_and_lower(
+                    {name: ep}, partitioner={name: partitioners} if partitioners else None,
+                    compile_config=compile_config).exported_program(name)
+                del ep
+                timings[f"lower_{name}_s"] = time.perf_counter() - t0
+                if saved:
+                    save_lowered(lowered[name], saved[name])
+                    lowered[name] = None  # emitted from the saved file, as a resumed run does
+                bar.update()
+            program = lowered[name] if lowered[name] is not None else load_lowered(saved[name])
+            delegates, outside = graph_ops(program)
+            listing = [f"{op} x{n}" for op, n in outside.items()]
+            report.setdefault("delegate_calls", {})[name] = delegates
+            report.setdefault("n_ops_outside_delegate", {})[name] = sum(outside.values())
+            report.setdefault("ops_outside_delegate", {})[name] = listing  # strings: kept out of the metrics
+            log.info("lowered %s: %s, %d delegate calls, %d ops outside the delegate%s", name,
+                     f"{timings[f'lower_{name}_s']:.1f} s" if f"lower_{name}_s" in timings else f"resumed from {saved[name]}",
+                     delegates, sum(outside.values()),
+                     " (portable kernels: no delegate)" if backend == "portable" else
+                     ": " + (", ".join(listing) or "none"))
+            lowered[name] = program
     bar.close()
-    del exported
+    report["methods_resumed"] = resumed
 
     constants = constant_methods(speculator, max_m=max_m, default_chain=default_chain,
                                  max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,

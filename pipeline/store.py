@@ -2,8 +2,8 @@
 
 An artifact is `<root>/<stage>/<key>/` holding the stage's files and a `manifest.json`:
 stage, key, schema_version, config (the resolved config subtrees that entered the key), upstream
-({stage: key}), files ({relative path: sha256}), versions (python and libraries), git commit,
-created_at and report (what the stage's `run` returned).
+({stage: key}), files ({relative path: sha256}), stat ({relative path: [size, mtime_ns]}), versions (python
+and libraries), git commit, created_at and report (what the stage's `run` returned).
 
 The key is sha256 over (stage name, schema version, resolved config subtrees, upstream keys) in canonical
 JSON, so the same config and the same upstream artifacts always name the same directory and anything else
@@ -20,15 +20,21 @@ Invariants:
   removes it (taking the lock first, so the temporary directory of a build in progress is never touched).
 - Loading verifies every file's sha256 against the manifest (once per load) and refuses an artifact whose
   files were changed, removed or added (CorruptArtifact: the run stops, the directory stays for inspection);
-  `python -m pipeline.store verify` does the same for the whole store. `check_artifact` words every
+  `python -m pipeline.store verify` does the same for the whole store. An artifact a job does not read (the
+  taps of a cached draft) gets the quick check: sizes and modification times against the manifest's `stat`,
+  a file hashed only where its time differs (`quick_problems`). `check_artifact` words every
   problem, for `load`, `verify`, `repair` and the quarantine log alike.
 - A directory under a key without a readable manifest (missing, or not a JSON object) is not an artifact:
   `verify` reports it, and `get_or_build` moves it, under the lock, to
   `<root>/.quarantine/<stage>/<key>-<UTC timestamp>/` (logging both paths) before building, so the
   build's rename always lands. `repair` quarantines every bad directory, tampered ones too. Nothing in the
   store is deleted except temporary directories and a finished artifact's scratch.
-- Resumable work (training checkpoints, shards) lives in `scratch_dir(stage, key)` =
+- Resumable work (training checkpoints, shards, lowered methods) lives in `scratch_dir(stage, key)` =
   `<root>/.scratch/<stage>/<key>/`, which survives a crash and is removed once the artifact is in place.
+- Before a build writes, its estimated size (a stage's `estimate_bytes`) is checked against the free space
+  (NoSpace names the stage, the path, the need and the free space); an OSError while it writes is raised
+  again naming the stage and the path. Every file of an artifact has the mode a plain open() gives under the
+  process's umask (`apply_umask`).
 
 CLI: `python -m pipeline.store list|verify|repair [--root DIR]` (default root: `$PIPELINE_OUTPUTS/store`, i.e.
 `outputs/store` under the working directory, as the pipeline's `paths.store`). `verify` exits 1 when any
@@ -41,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import errno
 import hashlib
 import importlib.metadata
 import json
@@ -66,6 +73,18 @@ LIBRARIES = ("torch", "executorch", "torchao", "tokenizers", "safetensors", "hyd
 
 class CorruptArtifact(RuntimeError):
     """An artifact whose files do not match its manifest."""
+
+
+class NoSpace(OSError):
+    """A build whose estimated size does not fit the free space under the store; raised before it writes."""
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes an unprivileged writer may use on the filesystem holding `path` (or its nearest parent)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 @dataclass(frozen=True)
@@ -146,6 +165,11 @@ def git_commit(cwd: Path | None = None) -> str:
 _current: tuple[Store, str, str] | None = None
 
 
+def building() -> bool:
+    """Whether a stage is being built in this process (then `scratch_dir()` names its scratch directory)."""
+    return _current is not None
+
+
 def scratch_dir(stage: str | None = None, key: str | None = None) -> Path:
     """Directory for resumable work of (stage, key); defaults to the stage being built right now."""
     if _current is None:
@@ -169,9 +193,11 @@ class Check:
         return self.manifest is None
 
 
-def check_artifact(path: Path, *, hash_files: bool = True) -> Check:
+def check_artifact(path: Path, *, hash_files: bool | str = True) -> Check:
     """The one source of problem descriptions (load, verify, repair, quarantine): a missing or unreadable
-    manifest, or (with `hash_files`) every file that differs from it; no problems for a good artifact."""
+    manifest, or (with `hash_files`) every file that differs from it; no problems for a good artifact.
+    `hash_files="quick"`: sizes and modification times against the manifest's `stat`, hashing only a file
+    whose time differs (`quick_problems`)."""
     path = Path(path)
     if not path.is_dir():
         return Check(path, None, ("not a directory",))
@@ -186,6 +212,8 @@ def check_artifact(path: Path, *, hash_files: bool = True) -> Check:
         return Check(path, None, (f"{MANIFEST} is not valid JSON ({e})",))
     if not isinstance(manifest, dict):
         return Check(path, None, (f"{MANIFEST} is not a JSON object",))
+    if hash_files == "quick":
+        return Check(path, manifest, tuple(quick_problems(path, manifest)))
     return Check(path, manifest, tuple(verify_files(path, manifest)) if hash_files else ())
 
 
@@ -291,10 +319,15 @@ class Store:
         config: dict,
         upstream: dict[str, str],
         schema_version: int,
+        estimate: Callable[[], int | None] | None = None,
     ) -> tuple[Artifact, bool]:
         """Return (artifact, cached). `build(tmp_dir) -> report` runs at most once per key, store-wide.
         A directory under the key without a readable manifest is quarantined first; one whose files differ
-        from its manifest stops the run (CorruptArtifact)."""
+        from its manifest stops the run (CorruptArtifact). `estimate() -> bytes` (the most the build writes,
+        scratch included; None: unknown) is checked against the free space before the build starts
+        (NoSpace naming the stage, the path, the need and the free space), less what the key's scratch dir
+        already holds; an OSError during the build is raised again naming the stage and the path. Every
+        file and directory of the artifact takes the process's umask (safetensors writes 0600)."""
         global _current
         found = self.load(stage, key)
         if found is not None:
@@ -320,6 +353,8 @@ class Store:
             for stale in (self.root / stage).glob(f".tmp-{key}-*"):  # left by a killed build; we hold the lock
                 shutil.rmtree(stale, ignore_errors=True)
             tmp = self.root / stage / f".tmp-{key}-{os.getpid()}"
+            if estimate is not None:
+                self._check_space(stage, key, tmp, estimate)
             tmp.mkdir()
             try:
                 previous, _current = _current, (self, stage, key)
@@ -339,15 +374,48 @@ class Store:
                     "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "report": report if report is not None else {},
                 }
+                apply_umask(tmp)
+                manifest["stat"] = file_stats(tmp)  # for `quick_problems`; a rename keeps sizes and times
                 (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+                apply_umask(tmp)
                 os.rename(tmp, final)
-            except BaseException:  # the build's own temp dir goes with it; scratch stays for the rerun
+            except BaseException as e:  # the build's own temp dir goes with it; scratch stays for the rerun
                 shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(e, OSError) and not isinstance(e, NoSpace):
+                    raise self._named(e, stage, tmp) from e
                 raise
             shutil.rmtree(self.root / ".scratch" / stage / key, ignore_errors=True)
             return Artifact(stage=stage, key=key, path=final, manifest=manifest), False
         finally:
             lock.release()
+
+    def _check_space(self, stage: str, key: str, tmp: Path, estimate: Callable[[], int | None]) -> None:
+        try:
+            need = estimate()
+        except Exception as e:  # a size it cannot tell is no reason to stop the build
+            log.warning("%s: could not estimate its size (%s: %s); building without a space check", stage,
+                        type(e).__name__, e)
+            return
+        if need is None:
+            return
+        scratch = self.root / ".scratch" / stage / key
+        need = max(0, int(need) - (_tree_size(scratch) if scratch.is_dir() else 0))
+        free = free_bytes(self.root)
+        if need > free:
+            raise NoSpace(errno.ENOSPC, f"{stage}: building {key} needs about {_human_size(need)} under {tmp.parent} "
+                          f"(artifact and scratch, estimated), but only {_human_size(free)} is free there; free "
+                          f"space (`python -m pipeline.store list` shows what the store holds) or point "
+                          f"paths.outputs at a larger disk")
+
+    def _named(self, e: OSError, stage: str, tmp: Path) -> OSError:
+        """`e` again, its message naming the stage, the file (or the build's directory) and the free space."""
+        where = e.filename or tmp
+        text = f"{e.strerror}: {where}" if e.strerror else f"{e} ({where})"
+        msg = f"{stage}: {text} (building into {tmp}; {_human_size(free_bytes(self.root))} free there)"
+        try:
+            return type(e)(e.errno, msg) if e.errno else type(e)(msg)
+        except TypeError:  # a subclass with a constructor of its own
+            return OSError(e.errno, msg) if e.errno else OSError(msg)
 
     @contextlib.contextmanager
     def helping(self, stage: str, key: str) -> Iterator[None]:
@@ -410,6 +478,50 @@ class Store:
                 yield TempDir(stage_dir.name, key, pid, path, why)
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask would change it for every thread meanwhile)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
+        return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give every file under `root` mode 0666 and every directory 0777, less the process's umask: what a plain
+    open() makes, whatever a library chose (safetensors' save_file writes 0600, so other users of a shared
+    store could not read the weights)."""
+    mask = _umask()
+    for path in [Path(root), *Path(root).rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def file_stats(root: Path) -> dict[str, list[int]]:
+    """{relative posix path: [size, mtime_ns]} of every file under root except the manifest."""
+    return {p.relative_to(root).as_posix(): [p.stat().st_size, p.stat().st_mtime_ns]
+            for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).as_posix() != MANIFEST}
+
+
+def quick_problems(path: Path, manifest: dict) -> list[str]:
+    """What a stat of every file tells against the manifest, reading no file whose size and modification time
+    are the recorded ones: files missing or added, a size that differs, and the sha256 of a file whose time
+    differs (a copy or a touch keeps the bytes). A manifest without `stat` (written before it was recorded)
+    gives the listing only."""
+    expected, recorded = manifest.get("files", {}), manifest.get("stat", {})
+    actual = file_stats(path)
+    problems = [f"{name} missing" for name in sorted(set(expected) - set(actual))]
+    problems += [f"{name} not in manifest" for name in sorted(set(actual) - set(expected))]
+    for name in sorted(set(expected) & set(actual) & set(recorded)):
+        (size, mtime), (was_size, was_mtime) = actual[name], recorded[name]
+        if size != was_size:
+            problems.append(f"{name} is {size} bytes, the manifest records {was_size}")
+        elif mtime != was_mtime and sha256_file(path / name) != expected[name]:
+            problems.append(f"{name} sha256 differs")
+    return problems
+
+
 def verify_files(path: Path, manifest: dict) -> list[str]:
     """Human-readable differences between the files under `path` and the manifest; [] when they agree."""
     expected = manifest.get("files", {})
@@ -425,9 +537,11 @@ def repair_hint(root: Path, it: str = "it") -> str:
             f"{it}); the next run rebuilds {it}")
 
 
-def corrupt_message(root: Path, stage: str, path: Path, problems) -> str:
-    return (f"{stage} artifact {path} does not match its manifest: {'; '.join(problems)}. The run stops so that "
-            f"you can inspect it; then {repair_hint(root)}.")
+def corrupt_message(root: Path, stage: str, path: Path, problems, *, read: bool = True) -> str:
+    """Why `path` is refused (`read`: the run needs it, so it stops) or only reported (the run does not read it)."""
+    now = "The run stops so that you can inspect it" if read else "This run does not read it and goes on; inspect it"
+    return (f"{stage} artifact {path} does not match its manifest: {'; '.join(problems)}. {now}; then "
+            f"{repair_hint(root)}.")
 
 
 def quarantine_line(path: Path, dest: Path, problems) -> str:

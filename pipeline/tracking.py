@@ -22,18 +22,23 @@ outside a stage. The sweep parent is created under a file lock by whichever come
 at multirun start (pipeline.callbacks) or a job, and its id is kept in `<sweep dir>/.mlflow_parent_run`.
 
 MLflow is a view, never the record: a job's `result.json` and the eval's `metrics.json` are. So tracking
-degrades instead of failing the job:
+degrades instead of failing the job, and loses nothing of what it was asked to write:
 - Opening: a SQLite store is created (MLflow's schema migrations, which race and fail with `duplicate column`
   when two processes run them at once) and the experiment found or created entirely under one file lock beside
-  the DB, so any number of processes can start together on an empty outputs directory. A store that cannot be
-  opened within the retry budget (bad path, locked DB, unreachable server) gives a `DegradedTracker`: one
-  warning, tracking off for this job.
-- Each call during the job (start/end a run, log params/metrics/tags/artifacts) is retried for
-  `PIPELINE_TRACKING_RETRY_S` (3 s), then skipped with ONE warning per kind of failure; later failures of that
-  kind are counted (`Tracker.skipped`, `Tracker.note()`), not logged. After a failure the store (or, apart,
-  the artifact root) is left alone for a pause of 5 s doubling to 60 s, so a store that stays down costs a few
-  seconds per minute, not the retry budget on every step metric; ending a run is still tried once during a
-  pause (an end that fails is retried when the store answers again), and any success ends the pause.
+  the DB, so any number of processes can start together on an empty outputs directory. A directory that cannot
+  hold the DB (the lock file beside it cannot be created) is refused at once, naming it. A store that cannot be
+  opened within the retry budget (bad path, locked DB, unreachable server) gives an `offline` Tracker: one
+  warning, and every write of the job is kept.
+- Each write during the job (start/end a run, params/metrics/tags/artifacts) is sent in order; one that fails
+  is retried for `PIPELINE_TRACKING_RETRY_S` (3 s), then queued with ONE warning per kind of failure, and the
+  writes after it queue behind it (`Tracker.skipped`, `Tracker.note()` count them). After a failure the store
+  (or, apart, the artifact root) is left alone for a pause of 5 s doubling to 60 s, so a store that stays down
+  costs a few seconds per minute; ending a run tries the queue once even during a pause, and the queue goes out
+  once the store answers. A run whose create is queued has a placeholder id until it is sent.
+- What is still queued when the job ends goes to `<job dir>/tracking_pending.json` (pointed at from
+  `<outputs>/.tracking_pending/`); the next job on the same store replays it before it closes stale runs, as
+  does `python -m pipeline.tracking sync [--outputs DIR] [JOB_DIR ...]`. So a job that ended ok ends FINISHED
+  with its metrics. Replaying twice sends nothing twice (`send`).
 - Bounded waits: SQLite's busy timeout is `PIPELINE_SQLITE_BUSY_S` (2 s; MLflow's own is 20 s) and MLflow's
   HTTP retries/timeout are set to a few seconds (MLFLOW_HTTP_REQUEST_*), each only where the environment does
   not set it.
@@ -48,7 +53,10 @@ store never touches the network.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import hashlib
+import json
 import logging
 import math
 import os
@@ -57,6 +65,7 @@ import sqlite3
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -65,6 +74,11 @@ from filelock import FileLock
 log = logging.getLogger(__name__)
 
 PARENT_RUN_FILE = ".mlflow_parent_run"
+PENDING_FILE = "tracking_pending.json"  # beside a job's result.json: the writes its tracker could not send
+PENDING_INDEX = ".tracking_pending"  # under the outputs dir: one pointer file per pending file, for `sync`
+PLACEHOLDER = "pending-"  # the id of a run whose create is queued
+PARENT_TAG = "mlflow.parentRunId"
+PENDING_TAG = "pipeline.client_id"  # the placeholder a run was made under: a replayed create finds it again
 # The experiment's kind, as MLflow records it: model training (runs with metrics), not GenAI (traces, judges,
 # prompts). The UI's view is chosen by the page address (ui_command).
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
@@ -226,29 +240,264 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+# --- ops: what a write is, how it is sent, where the unsent ones are kept -------------------------------
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _is_placeholder(run_id) -> bool:
+    return isinstance(run_id, str) and run_id.startswith(PLACEHOLDER)
+
+
+def _needs(op: dict) -> str | None:
+    """The run that must exist before the op is sent: a create's parent, any other op's run."""
+    return op["tags"].get(PARENT_TAG) if op["op"] == "create" else op["run"]
+
+
+def _what(op: dict) -> str:
+    return {"create": f"start_run {op.get('name')!r}", "end": f"end_run {op.get('status')}",
+            "artifact": f"log_artifact {Path(op.get('path', '')).name}"}.get(op["op"], f"log_{op['op']}")
+
+
+def send(client, experiment_id: str, op: dict, ids: dict[str, str]) -> None:
+    """One op through MlflowClient. Placeholders are mapped through `ids` (a create adds its run). Sending an
+    op twice changes nothing: a create first looks for a run made under its placeholder, MLflow drops a metric
+    equal to one it holds (key, value, timestamp, step), params and tags are set to the same values."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    kind, run = op["op"], ids.get(op["run"], op["run"])
+    if kind == "create":
+        tags = {k: ids.get(v, v) if k == PARENT_TAG else v for k, v in op["tags"].items()}
+        found = client.search_runs([experiment_id], filter_string=f"tags.`{PENDING_TAG}` = '{op['run']}'",
+                                   max_results=1) if op.get("retried") else []
+        op["retried"] = True  # a create tried once may have reached the store though its answer did not
+        ids[op["run"]] = found[0].info.run_id if found else client.create_run(
+            experiment_id, start_time=op["start_time"], tags=tags, run_name=op["name"]).info.run_id
+    elif kind == "params":
+        items = [Param(k, v) for k, v in op["params"].items()]
+        for i in range(0, len(items), BATCH):
+            client.log_batch(run, params=items[i:i + BATCH])
+    elif kind == "metrics":
+        items = [Metric(k, v, ts, step) for k, v, ts, step in op["metrics"]]
+        for i in range(0, len(items), BATCH * 10):
+            client.log_batch(run, metrics=items[i:i + BATCH * 10])
+    elif kind == "tags":
+        client.log_batch(run, tags=[RunTag(k, v) for k, v in op["tags"].items()])
+    elif kind == "artifact":
+        path = Path(op["path"])
+        if not path.exists():
+            log.warning("MLflow: %s is gone; run %s goes without it", path, run)
+            return
+        (client.log_artifacts if path.is_dir() else client.log_artifact)(run, str(path), op["artifact_path"])
+    elif kind == "end":
+        client.set_terminated(run, op["status"], end_time=op["end_time"])
+    else:
+        raise ValueError(f"unknown tracking op {kind!r}")
+
+
+def check_db_dir(db: Path) -> Path:
+    """The lock file beside a SQLite store, created now: a directory that cannot hold the database is refused
+    at once (OSError naming it), before any wait on a lock file that could never be made."""
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        lock = db.parent / ".mlflow.lock"
+        lock.touch()
+    except OSError as e:
+        raise OSError(e.errno, f"the directory {db.parent} cannot hold the MLflow database {db.name} "
+                      f"({e.strerror or e}); point tracking.uri at a writable directory") from None
+    return lock
+
+
+def create_db(db: Path) -> None:
+    """A new SQLite store: MLflow's schema migrations run on a temporary file renamed into place, so a process
+    killed during them (they take 5-15 s) leaves no half-migrated store that MLflow would refuse. The caller
+    holds the lock beside `db`; temporary files of killed creators are removed."""
+    from mlflow.tracking import MlflowClient
+
+    for stale in db.parent.glob(f".{db.name}.*.tmp"):
+        stale.unlink(missing_ok=True)
+    tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
+    with _MUTE.during():
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
+        client.search_experiments()  # the store (and its schema) is made on first use
+    engine = getattr(client._tracking_client.store, "engine", None)
+    if engine is not None:
+        engine.dispose()
+    os.replace(tmp, db)
+
+
+def _index_entry(outputs: Path, pending: Path) -> Path:
+    return Path(outputs) / PENDING_INDEX / (hashlib.sha256(str(pending).encode()).hexdigest()[:20] + ".json")
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def write_pending(directory: Path, tracker: "Tracker") -> Path:
+    """`<directory>/tracking_pending.json`: the tracker's queue, the placeholders it resolved and where to
+    send them (written atomically), plus its pointer under `<outputs>/.tracking_pending/`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pending = (directory / PENDING_FILE).absolute()
+    _write_json(pending, {"uri": tracker.uri, "experiment": tracker.experiment, "artifact_root": tracker.artifact_root,
+                          "created_at": _now_ms(), "pid": os.getpid(), "ids": tracker._ids, "ops": tracker._queue})
+    if tracker.outputs is not None:
+        try:
+            entry = _index_entry(tracker.outputs, pending)
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            _write_json(entry, {"pending": str(pending)})
+        except OSError as e:
+            log.warning("MLflow: could not note %s under %s (%s): `python -m pipeline.tracking sync %s` replays it",
+                        pending, tracker.outputs / PENDING_INDEX, e, directory)
+    log.warning("MLflow: %d write(s) could not be sent; kept in %s for the next job or `python -m "
+                "pipeline.tracking sync`", len(tracker._queue), pending)
+    return pending
+
+
+def pending_files(outputs: Path) -> list[Path]:
+    """The pending files noted under `<outputs>/.tracking_pending/`, oldest first; stale pointers removed."""
+    found = []
+    for entry in sorted((Path(outputs) / PENDING_INDEX).glob("*.json")):
+        try:
+            pending = Path(json.loads(entry.read_text())["pending"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if pending.is_file():
+            found.append(pending)
+        else:
+            entry.unlink(missing_ok=True)
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def replay(tracker: "Tracker", pending: Path) -> int | None:
+    """Send a pending file's ops through `tracker` (which must be open on its uri and experiment), under the
+    file's lock: the file is removed once every op went, else rewritten with what is left. Returns the
+    number of ops left (0: done), or None when the file is not for this tracker."""
+    pending = Path(pending)
+    with FileLock(str(pending) + ".lock"):
+        try:
+            data = json.loads(pending.read_text())
+        except FileNotFoundError:
+            return 0  # another process replayed it
+        if (data.get("uri"), data.get("experiment")) != (tracker.uri, tracker.experiment):
+            return None
+        ops, ids = data["ops"], data.get("ids", {})
+        done = 0
+        for op in ops:
+            try:
+                _attempts(lambda: send(tracker.client, tracker.experiment_id, op, ids), tracker.retry_s)  # noqa: B023
+            except Exception as e:
+                log.warning("MLflow: replaying %s stopped at %s (%s: %s); %d op(s) left for a later job", pending,
+                            _what(op), type(e).__name__, _line(e), len(ops) - done)
+                _write_json(pending, {**data, "ids": ids, "ops": ops[done:]})
+                return len(ops) - done
+            if op["op"] == "end":  # a later job may have ended it as KILLED before this replay
+                with contextlib.suppress(Exception):
+                    tracker.client.delete_tag(ids.get(op["run"], op["run"]), "mlflow.note.content")
+            done += 1
+        pending.unlink()
+        if tracker.outputs is not None:
+            _index_entry(tracker.outputs, pending.absolute()).unlink(missing_ok=True)
+    log.info("MLflow: replayed %d write(s) from %s", done, pending)
+    return 0
+
+
+def sync(tracker: "Tracker | NullTracker", extra: list[Path] = ()) -> int:
+    """Replay every pending file noted under the tracker's outputs dir (and `extra` ones) that was written for
+    its store and experiment; returns how many ops are still left. A no-op when tracking is off or the store
+    is not open."""
+    if not tracker.enabled or getattr(tracker, "client", None) is None:
+        return 0
+    left = 0
+    files = ([*pending_files(tracker.outputs)] if tracker.outputs is not None else []) + list(extra)
+    for pending in dict.fromkeys(Path(p).absolute() for p in files):
+        left += replay(tracker, pending) or 0
+    return left
+
+
+def _sync_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.tracking",
+                                     description="Replay the MLflow writes jobs could not send (tracking_pending.json).")
+    parser.add_argument("command", choices=("sync",))
+    parser.add_argument("paths", nargs="*", type=Path,
+                        help="job dirs or pending files besides those noted under the outputs dir")
+    parser.add_argument("--outputs", type=Path, default=None,
+                        help="the pipeline's outputs dir (default: $PIPELINE_OUTPUTS, else outputs)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    outputs = args.outputs or Path(os.environ.get("PIPELINE_OUTPUTS") or "outputs")
+    files = list(dict.fromkeys(f.absolute() for f in [*pending_files(outputs),
+                                                          *(p / PENDING_FILE if p.is_dir() else p for p in args.paths)]))
+    groups: dict[tuple, list[Path]] = {}
+    for f in files:
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            print(f"error: {f} is not a readable pending file ({e})", file=sys.stderr)
+            return 2
+        groups.setdefault((data["uri"], data["experiment"], data.get("artifact_root")), []).append(f)
+    left = 0
+    for (uri, experiment, artifact_root), group in groups.items():
+        try:
+            tracker = Tracker(uri, experiment, artifact_root, outputs=outputs)
+        except Exception as e:
+            print(f"MLflow tracking at {uri} cannot be opened ({type(e).__name__}: {_line(e)}): {len(group)} "
+                  f"pending file(s) left", file=sys.stderr)
+            left += len(group)
+            continue
+        for f in group:
+            n = replay(tracker, f)
+            left += n or 0
+            print(f"{'replayed' if not n else f'{n} op(s) left in'} {f}")
+    if not files:
+        print(f"nothing to sync under {outputs}")
+    return 1 if left else 0
+
+
 class Tracker:
-    """A thin layer over MlflowClient with explicit run ids (no global fluent-API state). Every call is
-    retried, then skipped with a warning (see the module docstring); a skipped start_run returns None, and
-    calls on a None run do nothing."""
+    """A thin layer over MlflowClient with explicit run ids (no global fluent-API state) that loses no call.
+
+    Every write (create, params, metrics, tags, artifact, end) is an op: sent at once when nothing is queued
+    before it, else queued behind what is (the order of a run's writes is kept). A send that fails is retried
+    for `retry_s`, then queued, with ONE warning per kind of failure; the store (or, apart, the artifact root)
+    is then left alone for a pause of 5 s doubling to 60 s, after which the queue is sent again in order. A
+    run whose create did not reach the store gets a placeholder id (`pending-<hex>`) that later writes use
+    and the create resolves. What is still queued when the job ends is written to the job's
+    `tracking_pending.json` (`finish`), and the next job or `python -m pipeline.tracking sync` replays it
+    (`sync`). A tracker whose store could not be opened (`offline`) queues everything from the start."""
 
     enabled = True
 
-    def __init__(self, uri: str, experiment: str, artifact_root: Path | None, *, required: bool = False):
+    def __init__(self, uri: str, experiment: str, artifact_root: Path | None, *, required: bool = False,
+                 outputs: Path | None = None, offline: str | None = None):
         global _busy_s
         _quiet_env()
         _busy_s = _env_float("PIPELINE_SQLITE_BUSY_S", SQLITE_BUSY_S)
         self.uri = uri
+        self.experiment = experiment
+        self.artifact_root = None if artifact_root is None else str(Path(artifact_root).absolute())
+        self.outputs = None if outputs is None else Path(outputs).absolute()
         self.required = required
+        self.offline = offline  # why the store could not be opened; None when it is open
         self.retry_s = _env_float("PIPELINE_TRACKING_RETRY_S", RETRY_S)
-        self.skipped: dict[str, int] = {}  # kind of failure -> calls lost to it
+        self.skipped: dict[str, int] = {}  # kind of failure -> writes not sent at once because of it
         self._kinds: dict[tuple, str] = {}  # (channel, exception type, MLflow error code) -> kind of failure
         self._pause: dict[str, tuple[float, float, str]] = {}  # channel -> (until, length, kind)
-        self._unended: dict[str, str] = {}  # run id -> status, for run ends that failed
+        self._queue: list[dict] = []  # ops not sent yet, in the order they were made
+        self._ids: dict[str, str] = {}  # placeholder -> the run id its create got
+        self.pending_file: Path | None = None  # where `finish` wrote the queue
+        self.client, self.experiment_id = None, None
+        if offline is not None:
+            return
         db = _sqlite_path(uri)
         if db is not None:
-            db.parent.mkdir(parents=True, exist_ok=True)
+            lock = check_db_dir(db)
         # MLflow creates the schema when the client is made: that and the experiment happen under one lock.
-        with FileLock(str(db.parent / ".mlflow.lock"), timeout=OPEN_LOCK_S) if db else contextlib.nullcontext():
+        with FileLock(str(lock), timeout=OPEN_LOCK_S) if db else contextlib.nullcontext():
+            if db is not None and not db.exists():
+                create_db(db)
             self.client, self.experiment_id = _attempts(lambda: self._open(db, experiment, artifact_root),
                                                         self.retry_s)
 
@@ -273,117 +522,146 @@ class Tracker:
                 client.set_experiment_tag(found.experiment_id, k, v)
         return client, found.experiment_id
 
-    def _call(self, what: str, fn: Callable, *, channel: str = "store", end: bool = False):
-        """fn() (MLflow calls), retried; its result, or None when it failed or was skipped (a pause after a
-        failure on `channel`: the store, or the artifact root). A run's `end` is tried once during a pause."""
-        until, length, kind = self._pause.get(channel, (0.0, 0.0, ""))
-        if length and time.monotonic() < until and not end:
-            self.skipped[kind] += 1
+    # --- failures: one warning per kind, then a pause ---------------------------------------------------
+    def _failed(self, what: str, channel: str, e: Exception, seconds: float) -> str:
+        if self.required:
+            raise TrackingError(f"MLflow tracking at {self.uri} failed ({what}): {type(e).__name__}: "
+                                f"{_line(e)} (tracking.required=true makes this fatal)") from e
+        key = (channel, type(e).__name__, str(getattr(e, "error_code", "")))
+        if key not in self._kinds:
+            self._kinds[key] = f"{type(e).__name__}: {_line(e)}"
+            log.warning("MLflow tracking at %s: %s failed (%.1f s of tries): %s. Kept for later; later failures "
+                        "like it are counted, not logged, and the job goes on (its result.json and metrics.json "
+                        "hold every result; what is not sent by the end of the job goes to its %s).", self.uri,
+                        what, seconds, self._kinds[key], PENDING_FILE)
+        _, length, _ = self._pause.get(channel, (0.0, 0.0, ""))
+        length = min(2 * length, PAUSE_S[1]) if length else PAUSE_S[0]
+        self._pause[channel] = (time.monotonic() + length, length, self._kinds[key])
+        return self._kinds[key]
+
+    def _call(self, what: str, fn: Callable, *, channel: str = "store"):
+        """fn() (a read: search_runs), retried; its result, or None when it failed or the store is paused."""
+        until, length, _ = self._pause.get(channel, (0.0, 0.0, ""))
+        if self.client is None or (length and time.monotonic() < until):
             return None
         t0 = time.monotonic()
         try:
-            result = _attempts(fn, 0.0 if length else self.retry_s)  # a failing channel had its retries
+            return _attempts(fn, 0.0 if length else self.retry_s)
         except Exception as e:
-            if self.required:
-                raise TrackingError(f"MLflow tracking at {self.uri} failed ({what}): {type(e).__name__}: "
-                                    f"{_line(e)} (tracking.required=true makes this fatal)") from e
-            key = (channel, type(e).__name__, str(getattr(e, "error_code", "")))
-            if key not in self._kinds:
-                self._kinds[key] = f"{type(e).__name__}: {_line(e)}"
-                log.warning("MLflow tracking at %s: %s failed (%.1f s of tries): %s. Skipped; later failures "
-                            "like it are counted, not logged, and the job goes on (its result.json and "
-                            "metrics.json hold every result).", self.uri, what, time.monotonic() - t0,
-                            self._kinds[key])
-            kind = self._kinds[key]
-            self.skipped[kind] = self.skipped.get(kind, 0) + 1
-            length = min(2 * length, PAUSE_S[1]) if length else PAUSE_S[0]
-            self._pause[channel] = (time.monotonic() + length, length, kind)
+            self._failed(what, channel, e, time.monotonic() - t0)
             return None
-        if length:
-            del self._pause[channel]
-            log.info("MLflow tracking at %s answers again (%d call(s) skipped so far)", self.uri,
-                     sum(self.skipped.values()))
-            if channel == "store":
-                self._end_unended()
-        return result
 
-    def _end_unended(self) -> None:
-        for run_id, status in list(self._unended.items()):
+    # --- writes: send in order, or queue ------------------------------------------------------------------
+    def _write(self, op: dict, *, urgent: bool = False) -> bool:
+        """Queue `op` and send the queue as far as it goes; True when `op` itself was sent. `urgent` (a run's
+        end): the queue is tried once even during a pause."""
+        self._queue.append(op)
+        kind = self._flush(urgent=urgent)
+        if any(o is op for o in self._queue):
+            kind = kind or self.offline and f"store not open ({self.offline})" or "queued behind earlier failures"
+            self.skipped[kind] = self.skipped.get(kind, 0) + 1
+            return False
+        return True
+
+    def _flush(self, *, urgent: bool = False) -> str | None:
+        """Send the queued ops in order (each channel stops at its first failure; an op on a run whose create
+        is not sent waits for it); returns the kind of the last failure, None when none happened."""
+        if self.client is None or not self._queue:
+            return None
+        kept, blocked, failure = [], set(), None
+        for op in self._queue:
+            channel = "artifacts" if op["op"] == "artifact" else "store"
+            until, length, kind = self._pause.get(channel, (0.0, 0.0, ""))
+            waiting = _is_placeholder(_needs(op)) and _needs(op) not in self._ids
+            if channel in blocked or waiting or (length and time.monotonic() < until and not urgent):
+                kept.append(op)
+                failure = failure or (kind if length else None)
+                continue
+            t0 = time.monotonic()
             try:
-                _attempts(lambda: self.client.set_terminated(run_id, status), 0.0)  # noqa: B023
-            except Exception:
-                return
-            del self._unended[run_id]
+                _attempts(lambda: send(self.client, self.experiment_id, op, self._ids), 0.0 if length else self.retry_s)  # noqa: B023
+            except Exception as e:
+                failure = self._failed(_what(op), channel, e, time.monotonic() - t0)
+                blocked.add(channel)
+                kept.append(op)
+                continue
+            if length:
+                del self._pause[channel]
+                log.info("MLflow tracking at %s answers again (%d write(s) kept so far)", self.uri,
+                         sum(self.skipped.values()))
+        self._queue = kept
+        return failure
+
+    def resolve(self, run_id: str | None) -> str | None:
+        """The MLflow id behind a placeholder once its create was sent; the id itself otherwise."""
+        return self._ids.get(run_id, run_id) if run_id else run_id
 
     def start_run(self, name: str, *, parent: str | None = None, tags: Mapping | None = None,
-                  params: Mapping | None = None) -> str | None:
+                  params: Mapping | None = None) -> str:
+        """The new run's id, or a placeholder (`pending-<hex>`) when its create is queued."""
         tags = {k: str(v) for k, v in {**(tags or {}), "pid": os.getpid(), "host": socket.gethostname()}.items()}
         if parent:
-            tags["mlflow.parentRunId"] = parent
-        run = self._call(f"start_run {name!r}",
-                         lambda: self.client.create_run(self.experiment_id, run_name=name, tags=tags))
-        if run is None:
-            return None
+            tags[PARENT_TAG] = parent
+        placeholder = PLACEHOLDER + uuid.uuid4().hex
+        tags[PENDING_TAG] = placeholder  # finds the run again should a replayed create have been sent already
+        self._write({"op": "create", "run": placeholder, "name": name, "tags": tags, "start_time": _now_ms()})
         if params:
-            self.log_params(run.info.run_id, params)
-        return run.info.run_id
+            self.log_params(placeholder, params)
+        return self.resolve(placeholder)
 
     def log_params(self, run_id: str | None, params: Mapping) -> None:
-        from mlflow.entities import Param
-
-        if run_id is None:
-            return
-        items = [Param(k, _param_value(v)) for k, v in params.items()]
-        for i in range(0, len(items), BATCH):
-            self._call("log_params", lambda i=i: self.client.log_batch(run_id, params=items[i : i + BATCH]))
+        if run_id is not None and params:
+            self._write({"op": "params", "run": run_id, "params": {k: _param_value(v) for k, v in params.items()}})
 
     def log_metrics(self, run_id: str | None, metrics: Mapping[str, float], step: int | None = None) -> None:
-        from mlflow.entities import Metric
-
-        if run_id is None:
-            return
-        now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
-        n = BATCH * 10
-        for i in range(0, len(items), n):
-            self._call("log_metrics", lambda i=i: self.client.log_batch(run_id, metrics=items[i : i + n]))
+        if run_id is not None and metrics:
+            now = _now_ms()
+            self._write({"op": "metrics", "run": run_id,
+                         "metrics": [[k, float(v), now, step or 0] for k, v in metrics.items()]})
 
     def set_tags(self, run_id: str | None, tags: Mapping) -> None:
-        from mlflow.entities import RunTag
-
         if run_id is not None and tags:
-            items = [RunTag(k, str(v)) for k, v in tags.items()]
-            self._call("set_tags", lambda: self.client.log_batch(run_id, tags=items))
+            self._write({"op": "tags", "run": run_id, "tags": {k: str(v) for k, v in tags.items()}})
 
     def log_artifact(self, run_id: str | None, path: Path, artifact_path: str | None = None) -> None:
-        if run_id is None:
-            return
-        path = Path(path)
-        log_fn = self.client.log_artifacts if path.is_dir() else self.client.log_artifact
-        self._call(f"log_artifact {path.name}", lambda: log_fn(run_id, str(path), artifact_path),
-                   channel="artifacts")
+        if run_id is not None:
+            self._write({"op": "artifact", "run": run_id, "path": str(Path(path).absolute()),
+                         "artifact_path": artifact_path})
 
     def end_run(self, run_id: str | None, status: str = "FINISHED") -> bool:
-        """End a run; False when that failed (it is tried again once the store answers)."""
+        """End a run; False when the end is queued (it is sent once the store answers, or replayed)."""
         if run_id is None:
             return False
-        ok = self._call(f"end_run {status}", lambda: self.client.set_terminated(run_id, status) or True, end=True)
-        if not ok:
-            self._unended[run_id] = status
-        return bool(ok)
+        return self._write({"op": "end", "run": run_id, "status": status, "end_time": _now_ms()}, urgent=True)
 
     def children(self, parent_id: str) -> list:
         """Direct child runs of a run (used by tests and the sweep summary)."""
         return self._call("search_runs", lambda: self.client.search_runs(
-            [self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'", max_results=10_000
+            [self.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{self.resolve(parent_id)}'",
+            max_results=10_000
         )) or []
 
+    def finish(self, directory: Path) -> Path | None:
+        """At the end of a job: send the queue once more, then write what is left to
+        `<directory>/tracking_pending.json` (and its pointer under `<outputs>/.tracking_pending/`, where
+        `sync` looks); returns that file, None when everything was sent."""
+        self._flush(urgent=True)
+        if not self._queue:
+            return None
+        self.pending_file = write_pending(Path(directory), self)
+        return self.pending_file
+
     def note(self) -> str | None:
-        """What tracking lost in this process, in one line; None when nothing."""
-        if not self.skipped:
+        """What tracking could not send at once in this process, in one line; None when nothing."""
+        if not self.skipped and not self.offline:
             return None
         kinds = "; ".join(f"{kind} ({n})" for kind, n in self.skipped.items())
-        return f"{sum(self.skipped.values())} MLflow call(s) skipped after failures: {kinds}"
+        line = (f"MLflow store {self.uri} not open for this job ({self.offline}); " if self.offline else "") + \
+            f"{sum(self.skipped.values())} MLflow write(s) not sent at once" + (f": {kinds}" if kinds else "")
+        if self.pending_file is not None:
+            line += (f"; {len(self._queue)} kept in {self.pending_file}, replayed by the next job or "
+                     f"`python -m pipeline.tracking sync`")
+        return line
 
     @contextlib.contextmanager
     def run(self, name: str, **kw) -> Iterator[str | None]:
@@ -419,17 +697,6 @@ class NullTracker:
         yield None
 
 
-class DegradedTracker(NullTracker):
-    """Tracking on, but its store could not be opened: off for this job, and why."""
-
-    def __init__(self, uri: str, error: str):
-        self.uri = uri
-        self.reason = f"{uri} unusable: {error}"
-
-    def note(self) -> str:
-        return f"MLflow tracking off for this job ({self.reason})"
-
-
 class RankTracker(NullTracker):
     """A torchrun rank other than 0: rank 0 tracks the job, so this rank writes nothing to MLflow."""
 
@@ -444,8 +711,8 @@ def _param_value(v) -> str:
 
 def open_tracker(tracking_cfg: Mapping, outputs: Path) -> Tracker | NullTracker:
     """The tracker `tracking.*` asks for: `enabled`, `uri` (null = SQLite under outputs), `experiment`,
-    `artifact_root`, `required`. A store that cannot be opened gives a DegradedTracker and a warning, or
-    with `required` a TrackingError."""
+    `artifact_root`, `required`. A store that cannot be opened gives an offline Tracker (every write kept
+    for the next job) and a warning, or with `required` a TrackingError."""
     if not tracking_cfg.get("enabled", True):
         return NullTracker()
     from pipeline import distributed
@@ -455,23 +722,25 @@ def open_tracker(tracking_cfg: Mapping, outputs: Path) -> Tracker | NullTracker:
     uri = tracking_cfg.get("uri") or default_uri(outputs)
     required = bool(tracking_cfg.get("required", False))
     artifact_root = tracking_cfg.get("artifact_root") or Path(outputs) / "mlartifacts"
+    experiment = tracking_cfg.get("experiment", "pipeline")
     try:
-        return Tracker(uri, tracking_cfg.get("experiment", "pipeline"), artifact_root, required=required)
+        return Tracker(uri, experiment, artifact_root, required=required, outputs=outputs)
     except Exception as e:
         error = f"{type(e).__name__}: {_line(e)}"
         if required:
             raise TrackingError(f"MLflow tracking at {uri} cannot be opened ({error}); tracking.required=true "
                                 "makes this fatal") from e
-        log.warning("MLflow tracking at %s cannot be opened (%s): tracking is off for this job (its result.json "
-                    "and metrics.json hold every result; tracking.required=true makes this an error)", uri, error)
-        return DegradedTracker(uri, error)
+        log.warning("MLflow tracking at %s cannot be opened (%s): this job's runs are kept in its %s for the "
+                    "next job or `python -m pipeline.tracking sync` (its result.json and metrics.json hold every "
+                    "result; tracking.required=true makes this an error)", uri, error, PENDING_FILE)
+        return Tracker(uri, experiment, artifact_root, outputs=outputs, offline=error)
 
 
 def close_stale_runs(tracker: Tracker | NullTracker, tags: Mapping[str, str] | None = None) -> list[str]:
     """End as KILLED every RUNNING run of the experiment that a process on this host started and that process
     is gone (a SIGKILLed job never ends its runs); `tags` narrows the search (e.g. {"job_dir": ...}). Runs of
     other hosts, or without a `pid` tag, are left alone. Returns the ids of the runs it ended."""
-    if not tracker.enabled:
+    if not tracker.enabled or tracker.client is None:
         return []
     host = socket.gethostname()
     where = " and ".join(["attributes.status = 'RUNNING'", f"tags.host = '{host}'",
@@ -506,7 +775,7 @@ def sweep_parent(tracker: Tracker | NullTracker, sweep_dir: Path, tags: Mapping 
             return id_file.read_text().strip()
         run_id = tracker.start_run(f"sweep {sweep_dir.name}",
                                    tags={"sweep_dir": str(sweep_dir.absolute()), **(tags or {})})
-        if run_id:
+        if not _is_placeholder(run_id):  # a queued create: the next job of the sweep tries again
             id_file.write_text(run_id)
         return run_id
 
@@ -546,3 +815,7 @@ def log_artifact(path: Path | str, artifact_path: str | None = None) -> None:
     if _active is not None:
         tracker, run_id = _active
         tracker.log_artifact(run_id, Path(path), artifact_path)
+
+
+if __name__ == "__main__":
+    sys.exit(_sync_main())

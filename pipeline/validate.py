@@ -9,11 +9,17 @@ max_seq_len for target=hf, the pairing of draft and target).
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from runner.text import read_prompt_file
+
+log = logging.getLogger(__name__)
+PROMPTS_TOO_LONG = ("error", "skip")
+
 
 class ConfigError(ValueError):
     """One or more config values out of their allowed range; the message lists each."""
@@ -97,6 +103,123 @@ def _check_gguf_source(c: _Checker) -> None:
             check_package(package)
     except GGUFError as e:
         c.problems.append(str(e) if package is not None else f"target.path={path!r}: {e}")
+
+
+def known_max_seq_len(c: _Checker) -> tuple[int | None, str]:
+    """The target's max_seq_len as far as it is known before any stage runs, with what it is: the config's
+    value; for target=hf without one, min(max_position_embeddings of its config.json, 4096), the target
+    stage's own rule; for target=gguf without one, 4096, only an upper bound (the file's context length is
+    read by the target stage, and the eval stage checks again against the .pte)."""
+    from models.hf import DEFAULT_MAX_SEQ_LEN, text_config
+
+    value = c.get("target.max_seq_len")
+    if _is_int(value):
+        return value, f"target.max_seq_len={value}"
+    if c.get("target.kind") == "hf" and isinstance(c.get("target.path"), str):
+        config = Path(c.get("target.path")) / "config.json"
+        try:
+            d = text_config(json.loads(config.read_text()))[0]
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None, ""  # the target stage refuses the checkpoint, naming why
+        n = min(int(d.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN)), DEFAULT_MAX_SEQ_LEN)
+        return n, f"the target's max_seq_len={n} (min(max_position_embeddings of {config}, {DEFAULT_MAX_SEQ_LEN}))"
+    if c.get("target.kind") == "gguf":
+        return DEFAULT_MAX_SEQ_LEN, (f"the target's max_seq_len, at most {DEFAULT_MAX_SEQ_LEN} (target.max_seq_len "
+                                     f"is null: the GGUF file's context length decides it, checked at eval)")
+    return None, ""
+
+
+def lengths_problem(prompt_len: int, max_new_tokens: int, max_seq_len: int, source: str) -> str | None:
+    """Why prompts of `prompt_len` tokens cannot generate `max_new_tokens` within the KV cache; None if they fit."""
+    if prompt_len + max_new_tokens <= max_seq_len:
+        return None
+    return (f"runtime.prompt_len={prompt_len} + runtime.max_new_tokens={max_new_tokens} = "
+            f"{prompt_len + max_new_tokens} exceeds {source}: a prompt and its generation share the KV cache; "
+            f"lower one of them")
+
+
+def prompt_file_lines(path: Path, prompts: list[str], count, *, max_new_tokens: int, max_seq_len: int, source: str,
+                      policy: str) -> list[int]:
+    """The indices of `prompts` (read from `path`) to keep: those of `count(text)` tokens that leave room
+    for `max_new_tokens` within `max_seq_len`. A long one is refused with `policy` "error" (ConfigError naming
+    the file and every long line) and left out with a warning naming them with "skip"; all of them long is
+    an error either way."""
+    numbers = [n for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    budget = max_seq_len - max_new_tokens
+    long = [(i, n) for i, (n, text) in enumerate(zip(numbers, prompts)) if count(text) > budget]
+    if not long:
+        return list(range(len(prompts)))
+    lines = ", ".join(str(n) for _, n in long[:20]) + (f" and {len(long) - 20} more" if len(long) > 20 else "")
+    what = (f"prompt file {path}: line(s) {lines} hold more than {budget} tokens, which with "
+            f"runtime.max_new_tokens={max_new_tokens} exceeds {source}")
+    if policy != "skip" or len(long) == len(prompts):
+        raise ConfigError(what + ("" if policy == "skip" else
+                                  "; shorten them, or set runtime.prompts_too_long=skip to leave them out"))
+    log.warning("%s: left out (runtime.prompts_too_long=skip)", what)
+    skipped = {i for i, _ in long}
+    return [i for i in range(len(prompts)) if i not in skipped]
+
+
+def _check_lengths(c: _Checker) -> None:
+    """Every length against the target's max_seq_len (`known_max_seq_len`): the cut prompts'
+    runtime.prompt_len + max_new_tokens, or each line of a prompt file. A line's tokens are counted with the
+    tokenizer where one is at hand without building anything (target=hf: the checkpoint's tokenizer.json);
+    elsewhere the tokenizer is the target stage's output, so the eval stage counts them before it evaluates
+    anything (`prompt_file_lines`, the same rule; the job's plan does it as soon as the target is in the
+    store), and this only notes the lines whose UTF-8 bytes + 1 (a bound on the tokens of a byte-level or
+    byte-fallback vocabulary) do not clear the budget."""
+    max_seq_len, source = known_max_seq_len(c)
+    prompt_len, max_new = c.get("runtime.prompt_len"), c.get("runtime.max_new_tokens")
+    if max_seq_len is None or not (_is_int(prompt_len) and _is_int(max_new)):
+        return
+    prompts = c.get("runtime.prompts")
+    if prompts is None:
+        if problem := lengths_problem(prompt_len, max_new, max_seq_len, source):
+            c.problems.append(problem)
+        return
+    if max_new >= max_seq_len:
+        c.problems.append(f"runtime.max_new_tokens={max_new} leaves no room for a prompt within {source}")
+        return
+    try:
+        texts = read_prompt_file(Path(prompts))
+    except (OSError, ValueError):
+        return  # refused above, naming the file
+    tokenizer = Path(str(c.get("target.path"))) / "tokenizer.json" if c.get("target.kind") == "hf" else None
+    exact = _is_int(c.get("target.max_seq_len")) or c.get("target.kind") == "hf"
+    if not (exact and tokenizer is not None and tokenizer.is_file()):
+        budget = max_seq_len - max_new
+        unsure = [n for n, text in enumerate(texts, 1) if len(text.encode("utf-8")) + 1 > budget]
+        if unsure:
+            log.info("prompt file %s: %d prompt(s) (the %s) may hold more than %d tokens; the eval stage counts "
+                     "their tokens before it evaluates any", prompts, len(unsure),
+                     ", ".join(map(str, unsure[:10])) + ("..." if len(unsure) > 10 else ""), budget)
+        return
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    try:
+        prompt_file_lines(Path(prompts), texts, lambda text: len(tok.encode(text, add_special_tokens=False).ids),
+                          max_new_tokens=max_new, max_seq_len=max_seq_len, source=source,
+                          policy=str(c.get("runtime.prompts_too_long")))
+    except ConfigError as e:
+        c.problems.append(str(e))
+
+
+def check_prompts_with_target(cfg: DictConfig, target_dir: Path) -> None:
+    """A prompt file's lines counted with the tokenizer of a target artifact already in the store, against
+    its max_seq_len, before any stage runs (ConfigError naming the file and the lines, as the eval does)."""
+    rt = cfg.runtime
+    if not rt.get("prompts") or not (Path(target_dir) / "tokenizer.json").is_file():
+        return
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
+    max_seq_len = int(json.loads((Path(target_dir) / "config.json").read_text())["max_seq_len"])
+    prompt_file_lines(Path(rt.prompts), read_prompt_file(Path(rt.prompts)),
+                      lambda text: len(tok.encode(text, add_special_tokens=False).ids),
+                      max_new_tokens=int(rt.max_new_tokens), max_seq_len=max_seq_len,
+                      source=f"max_seq_len={max_seq_len} of the target {target_dir}",
+                      policy=str(rt.get("prompts_too_long") or "error"))
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -185,6 +308,9 @@ def check_config(cfg: DictConfig) -> None:
                 c.fail(f"{rt}.prompts", c.get(f"{rt}.prompts"), "a file with at least one prompt")
         except ValueError as e:
             c.fail(f"{rt}.prompts", c.get(f"{rt}.prompts"), f"a readable prompt file ({e})")
+
+    c.choice(f"{rt}.prompts_too_long", PROMPTS_TOO_LONG)
+    _check_lengths(c)
 
     if c.get("serve") is not None:
         if not isinstance(c.get("serve.host"), str) or not c.get("serve.host"):

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenizers import Tokenizer
 
-    engine = PteEngine(args.pte)  # first: a .pte that differs from its manifest is refused before anything else
+    # first: a file that is no program, differs from its manifest or does not fit the tokenizer is refused
+    engine = PteEngine(args.pte, tokenizer=args.tokenizer)
     tokenizer = Tokenizer.from_file(str(args.tokenizer))
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     stops = stop_ids(tokenizer, args.stop)

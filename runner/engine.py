@@ -19,12 +19,15 @@ prefill range), sliding_window (smallest window of any layer, or None), manifest
 - `PteEngine`: a .pte through `executorch.runtime` (what ships). The runtime accepts T below a method's
   exported minimum without complaint, so the loop (runner.generate) enforces the bounds itself. A .pte with
   a manifest.json beside it (the export artifact's) is loaded only when its sha256 is the one the manifest's
-  `files` records (`check_pte`); one without a manifest is loaded unchecked, with a warning saying so.
+  `files` records (`check_pte`); one without a manifest is loaded unchecked, with a warning saying so. A file
+  that is not an ExecuTorch program (`check_program_file`), or a tokenizer that does not fit the program
+  (`check_tokenizer`), is refused naming both.
 - `EagerEngine`: `models.Speculator` in PyTorch on CPU or CUDA (the same module the .pte was traced from).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -105,6 +108,59 @@ def check_pte(path: str | pathlib.Path) -> bool:
     return True
 
 
+PTE_IDENTIFIER = re.compile(rb"ET[0-9a-zA-Z]{2}")  # a .pte's flatbuffer file identifier, bytes 4-8
+
+
+def check_program_file(path: pathlib.Path) -> None:
+    """Refuse a file that is not an ExecuTorch program (its flatbuffer identifier), before the runtime reads it."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if not PTE_IDENTIFIER.fullmatch(head[4:8]):
+        raise ValueError(f"{path} is not an ExecuTorch program (bytes 4-8 are {head[4:8]!r}, where a .pte has "
+                         f"its identifier b'ET..'): pass the model.pte the export stage wrote")
+
+
+def check_tokenizer(path: pathlib.Path, meta: dict, tokenizer: str | pathlib.Path) -> None:
+    """Refuse a tokenizer.json that does not fit the loaded program (`meta`): by its sha256 against the
+    pairing facts behind `get_manifest_hash` where those are found (the export artifact's manifest beside the
+    .pte, or an export artifact of the store holding the tokenizer's target artifact), by its size against
+    `get_vocab_size` where not. The ValueError names both sides."""
+    tokenizer = pathlib.Path(tokenizer)
+    facts = _pairing_facts(path, meta["manifest_hash"], tokenizer)
+    if facts is not None and facts[1].get("tokenizer_sha256"):
+        where, pairing = facts
+        actual = _sha256(tokenizer)
+        if actual != pairing["tokenizer_sha256"]:
+            raise ValueError(f"tokenizer {tokenizer} (sha256 {actual}) is not the one {path} was exported with: "
+                             f"{where} records tokenizer sha256 {pairing['tokenizer_sha256']} for its manifest hash "
+                             f"{meta['manifest_hash']}; pass the tokenizer.json of that target artifact")
+        return
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
+    if size != meta["vocab_size"]:
+        raise ValueError(f"tokenizer {tokenizer} has {size} tokens but {path} was exported for a vocabulary of "
+                         f"{meta['vocab_size']} (get_vocab_size): it belongs to another target; pass the "
+                         f"tokenizer.json of the target the .pte was exported from")
+
+
+def _pairing_facts(path: pathlib.Path, manifest_hash: str, tokenizer: pathlib.Path) -> tuple[pathlib.Path, dict] | None:
+    """(manifest, report.pairing) of an export artifact whose report's manifest_hash is the program's: the one
+    beside the .pte, else one in the store whose target artifact holds the tokenizer (<store>/target/<key>/)."""
+    candidates = [path.parent / MANIFEST]
+    target_manifest = tokenizer.parent / MANIFEST
+    if target_manifest.is_file():
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if json.loads(target_manifest.read_text()).get("stage") == "target":
+                candidates += sorted((tokenizer.parent.parent.parent / "export").glob(f"*/{MANIFEST}"))
+    for manifest in candidates:
+        with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+            report = json.loads(manifest.read_text()).get("report") or {}
+            if report.get("manifest_hash") == manifest_hash and isinstance(report.get("pairing"), dict):
+                return manifest, report["pairing"]
+    return None
+
+
 _POOL_SIZED = False
 _POOL_NATIVE = re.compile(r"^\[(cpuinfo_utils\.cpp|threadpool\.cpp):\d+\]")  # the CPU probe, the resize
 
@@ -132,12 +188,14 @@ class PteEngine:
     number of generations in sequence: every generation rewrites the cache from position 0. The file is
     checked against the manifest beside it before it is loaded (`check_pte`)."""
 
-    def __init__(self, path: str | pathlib.Path, *, verified: bool = False):
+    def __init__(self, path: str | pathlib.Path, *, verified: bool = False, tokenizer: str | pathlib.Path | None = None):
         """`verified=True`: the caller has already checked the file against its manifest (the store does when
-        it loads an artifact), so it is not hashed a second time."""
+        it loads an artifact), so it is not hashed a second time. `tokenizer`: the tokenizer.json the caller
+        encodes with, checked against the program (`check_tokenizer`)."""
         self.path = pathlib.Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no .pte at {self.path}")
+        check_program_file(self.path)
         self.checked = verified or check_pte(self.path)
 
         from executorch.runtime import Runtime
@@ -163,6 +221,8 @@ class PteEngine:
         self.meta["manifest_hash"] = str(self._constant("get_manifest_hash")[0])  # 64 hex chars (sha256)
         self.meta["d2t"] = self._constant("get_d2t")[0].to(torch.long).clone()
         self.meta["sliding_window"] = self.meta["sliding_window"] or None
+        if tokenizer is not None:
+            check_tokenizer(self.path, self.meta, tokenizer)
 
     def _constant(self, name: str):
         return self.program.load_method(name).execute([])

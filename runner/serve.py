@@ -785,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--engine pte needs --pte")
         from runner.engine import PteEngine
 
-        engine = PteEngine(args.pte)  # first: a .pte that differs from its manifest is refused before anything else
+        engine = PteEngine(args.pte, tokenizer=args.tokenizer)  # first: a .pte unlike its manifest is refused
         model = args.model_name or str(args.pte)
     else:
         missing = [f"--{k.replace('_', '-')}" for k in ("target", "draft", "max_m", "max_prefill_chunk", "chain")

@@ -224,3 +224,37 @@ def test_a_sweep_with_failing_jobs_writes_its_summary_marks_the_parent_and_exits
     parent = next(x for x in runs if x.info.run_name.startswith("sweep "))
     assert parent.info.status == "FAILED" and parent.data.metrics["failed_jobs"] == 2
     assert not [x.info.run_name for x in runs if x.info.status == "RUNNING"]
+
+
+def test_a_stage_that_will_not_fit_stops_the_job_before_it_runs_naming_stage_path_need_and_free(tmp_path):
+    fakes, out = tmp_path / "fakes", tmp_path / "out"
+    write_fake_stages(fakes)
+    taps = fakes / "fakestages" / "taps.py"
+    taps.write_text(taps.read_text() + "\n\ndef estimate_bytes(cfg, upstream):\n    return 10**18\n")
+    r = run_app(["+stage=draft", "tracking=none"], fakes, out)
+    assert r.returncode != 0
+    log = r.stdout + r.stderr
+    assert re.search(rf"NoSpace: \[Errno 28\] taps: building [0-9a-f]{{64}} needs about \d+\.\d GB under "
+                     rf"{out / 'store' / 'taps'} \(artifact and scratch, estimated\), but only .* is free there", log), log
+    assert "running taps" not in log and not (out / "store" / "draft").exists()
+    result = json.loads(next((out / "runs").rglob("result.json")).read_text())
+    assert result["status"] == "failed" and "needs about" in result["error"]
+
+
+def test_a_damaged_artifact_the_job_does_not_read_is_reported_at_a_stat_s_cost(tmp_path):
+    """A cached draft means the taps are not loaded; a truncated taps file is still noticed (its size against
+    the manifest), named with the repair command, and the job, which reads nothing damaged, goes on."""
+    fakes, out = tmp_path / "fakes", tmp_path / "out"
+    write_fake_stages(fakes)
+    assert run_app(["+stage=draft", "tracking=none"], fakes, out).returncode == 0
+    (taps,) = (out / "store" / "taps").glob("[0-9a-f]*")
+    (taps / "taps.json").write_text("{")  # truncated
+    r = run_app(["+stage=draft", "tracking=none"], fakes, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = r.stdout + r.stderr
+    assert f"taps artifact {taps} does not match its manifest: taps.json is 1 bytes, the manifest records" in log
+    assert "This run does not read it and goes on" in log and "python -m pipeline.store repair" in log
+    result = json.loads(sorted((out / "runs").rglob("result.json"))[-1].read_text())
+    assert result["status"] == "ok" and result["stages"]["draft"]["cached"] is True
+    (problem,) = result["stages"]["taps"]["problems"]
+    assert problem.startswith("taps.json is 1 bytes, the manifest records")

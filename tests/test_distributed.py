@@ -51,7 +51,7 @@ def pipeline(outputs: Path, seed: int, *, ranks: int = 1, extra=(), env=None, tr
     env = {**{k: v for k, v in os.environ.items() if k != "PIPELINE_FAULT"}, "PIPELINE_OUTPUTS": str(outputs),
            "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
     launch = [sys.executable, "-m", "pipeline"] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "pipeline"]
+        [sys.executable, "-m", "pipeline.torchrun", f"--nproc-per-node={ranks}", "-m", "pipeline"]
     args = [*OVERRIDES, f"seed={seed}", *([] if tracking else ["tracking=none"]), *extra]
     proc = subprocess.run([*launch, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     return proc, proc.stdout + proc.stderr
@@ -270,3 +270,49 @@ def test_a_killed_rank_fails_the_job_naming_it_and_the_rerun_resumes(tmp_path, o
     assert report["train_loss"] == pytest.approx(artifact(one_rank, "draft")[1]["report"]["train_loss"],
                                                  rel=LOSS_RTOL), f"seed {seed}"
     assert not list((out / "store" / ".scratch" / "draft").glob("*/train_state.pt"))
+
+
+LISTENERS = """
+import os, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 0:  # the sockets this job listens on: the agent's (torchrun) and every rank's
+    agent = os.getppid()
+    pids = {agent, *(int(c) for t in os.listdir(f"/proc/{agent}/task")
+                     for c in open(f"/proc/{agent}/task/{t}/children").read().split())}
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:  # closed meanwhile (the listing's own)
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            f = row.split()
+            if f[3] == "0A" and f[9] in inodes:
+                print("LISTEN", f[1].split(":")[0], flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+def listeners(tmp_path, launcher):
+    script = tmp_path / "listeners.py"
+    script.write_text(LISTENERS)
+    r = subprocess.run([sys.executable, "-m", *launcher, "--nproc-per-node=2", str(script)], cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return {line.split()[1] for line in r.stdout.splitlines() if line.startswith("LISTEN")}
+
+
+def test_the_launcher_keeps_every_socket_of_the_job_on_loopback(tmp_path):
+    """torchrun's own stores listen on every interface even with a loopback rendezvous (so the README does not
+    run torchrun on one machine); pipeline.torchrun binds them, and the ranks' gloo sockets, to 127.0.0.1."""
+    plain = listeners(tmp_path, ["torch.distributed.run", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"])
+    assert plain - LOOPBACK, "torchrun 2.13 binds its store to every interface (else the launcher is not needed)"
+    ours = listeners(tmp_path, ["pipeline.torchrun"])
+    assert ours and ours <= LOOPBACK, ours

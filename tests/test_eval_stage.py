@@ -221,3 +221,23 @@ def test_a_lossless_mismatch_fails_loudly_unless_allowed(stage_inputs, tmp_path,
         run_stage(stage_inputs, tmp_path, chain=2)
     _, m, gens = run_stage(stage_inputs, tmp_path, chain=2, allow_mismatch=True)
     assert m["lossless"] is False and all(g["lossless"] is False and g["first_difference"] == 0 for g in gens)
+
+
+def test_prompt_file_lines_too_long_are_refused_or_skipped_naming_file_and_lines(stage_inputs, tmp_path):
+    from pipeline.validate import ConfigError
+
+    prompts = tmp_path / "prompts.txt"  # max_seq_len 64 - max_new_tokens 24 = 40 tokens of room
+    prompts.write_text("w1 w2 w3\n\n" + " ".join(WORDS[:50]) + "\nw9\n" + " ".join(WORDS[:41]) + "\n")
+    with pytest.raises(ConfigError, match=rf"prompt file {prompts}: line\(s\) 3, 5 hold more than 40 tokens.*"
+                                          r"max_seq_len=64 .*runtime.prompts_too_long=skip"):
+        run_stage(stage_inputs, tmp_path, prompts=str(prompts), chain=2)
+    _, m, gens = run_stage(stage_inputs, tmp_path, prompts=str(prompts), chain=2, prompts_too_long="skip")
+    assert m["n_prompts"] == 2 and [g["prompt"] for g in gens] == ["w1 w2 w3", "w9"]
+
+
+def test_prompt_len_without_room_for_max_new_tokens_is_refused_before_any_prompt_is_cut(stage_inputs, tmp_path):
+    from pipeline.validate import ConfigError
+
+    with pytest.raises(ConfigError, match=r"runtime.prompt_len=50 \+ runtime.max_new_tokens=24 = 74 exceeds "
+                                          r"max_seq_len=64"):
+        run_stage(stage_inputs, tmp_path, prompt_len=50, chain=2)

@@ -471,3 +471,35 @@ def test_the_export_path_reads_the_dispatch_rule_without_triton():
     code = "import sys, pipeline.export_pte; print('triton' in sys.modules, 'kernels.dispatch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+# --- a killed export resumes (issue 45) --------------------------------------------------------------------
+def test_an_interrupted_export_lowers_only_the_rest_and_writes_the_same_bytes(tiny_pte, tmp_path, monkeypatch):
+    """Each lowered method is kept in the scratch dir: a run that stops after two methods leaves two, the rerun
+    lowers the other two, and its .pte equals, byte for byte, conftest's, exported in one go without scratch."""
+    import executorch.exir
+
+    args = dict(max_m=tiny_pte.max_m, default_chain=tiny_pte.default_chain, backend="portable",
+                max_prefill_chunk=tiny_pte.max_prefill_chunk, min_prefill_chunk=tiny_pte.min_prefill_chunk,
+                manifest_hash=tiny_pte.report["manifest_hash"], progress=False, scratch=tmp_path)
+    real, lowered = executorch.exir.to_edge_transform_and_lower, []
+
+    def lower(programs, *a, **kw):
+        (name,) = programs
+        if name == "target_decode" and "interrupt" in lowered:
+            raise KeyboardInterrupt("killed while lowering target_decode")
+        lowered.append(name)
+        return real(programs, *a, **kw)
+
+    monkeypatch.setattr(executorch.exir, "to_edge_transform_and_lower", lower)
+    lowered.append("interrupt")
+    with pytest.raises(KeyboardInterrupt):
+        export_lib.export_pte(tiny_pte.speculator(), out_path=tmp_path / "model.pte", **args)
+    assert sorted(p.name for p in tmp_path.glob("*.lowered.pt2")) == ["prefill.lowered.pt2",
+                                                                      "target_verify.lowered.pt2"]
+    lowered.clear()
+    report = export_lib.export_pte(tiny_pte.speculator(), out_path=tmp_path / "model.pte", **args)
+    assert lowered == ["target_decode", "draft_decode"], "the rerun lowers only what was not saved"
+    assert report["methods_resumed"] == ["prefill", "target_verify"]
+    assert report["delegate_calls"] == tiny_pte.report["delegate_calls"]
+    assert (tmp_path / "model.pte").read_bytes() == tiny_pte.path.read_bytes()

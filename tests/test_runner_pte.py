@@ -153,7 +153,7 @@ def test_the_command_line_runner_prints_text_tau_and_timings(tiny_pte, tmp_path,
 
     from runner.__main__ import main
 
-    tok = Tokenizer(models.WordLevel({"<|eos|>": 1, **{f"w{i}": i for i in range(2, 256)}}, unk_token="w2"))
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<|eos|>": 1, **{f"w{i}": i for i in range(2, 256)}}, unk_token="w2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece()
     tok.save(str(tmp_path / "tokenizer.json"))
@@ -237,3 +237,84 @@ def test_the_runtime_pool_takes_torchs_thread_count_at_the_first_load(tiny_pte, 
     out = subprocess.run([sys.executable, "-c", code, str(tiny_pte.path), str(threads)], capture_output=True,
                          text=True, check=True, cwd=pathlib.Path(__file__).resolve().parents[1])
     assert out.stdout.strip().splitlines()[-1] == f"pool {threads}"
+
+
+# --- the runner checks its inputs (issue 45) ----------------------------------------------------------------
+def word_tokenizer(path, n: int, prefix: str = "w"):
+    """A tokenizer.json of exactly `n` tokens (ids 0..n-1), at `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<|eos|>": 0, **{f"{prefix}{i}": i for i in range(1, n)}}, unk_token=f"{prefix}1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def test_a_file_that_is_not_a_program_is_refused_naming_it(tmp_path):
+    text = tmp_path / "notes.pte"
+    text.write_text("this is a text file, not a program\n")
+    with pytest.raises(ValueError, match=rf"{text} is not an ExecuTorch program"):
+        PteEngine(text)
+
+
+def test_the_command_line_runner_refuses_a_text_file_as_pte_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    tok = word_tokenizer(tmp_path / "tokenizer.json", 256)
+    r = subprocess.run([sys.executable, "-m", "runner", "--pte", str(text), "--tokenizer", str(tok), "--prompt", "w3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {text} is not an ExecuTorch program"), r.stderr
+
+
+def test_a_tokenizer_of_another_vocabulary_is_refused_naming_both(tiny_pte, tmp_path):
+    tok = word_tokenizer(tmp_path / "big" / "tokenizer.json", 1000)
+    with pytest.raises(ValueError, match=rf"tokenizer {tok} has 1000 tokens but {tiny_pte.path} .* 256"):
+        PteEngine(tiny_pte.path, tokenizer=tok)
+    assert PteEngine(tiny_pte.path, tokenizer=word_tokenizer(tmp_path / "ok" / "tokenizer.json", 256))
+
+
+def store_of(tiny_pte, root, tokenizer_sha256):
+    """A store holding the tiny .pte as an export artifact whose pairing facts record `tokenizer_sha256`, and
+    an empty target artifact directory for a tokenizer."""
+    import hashlib
+    import json
+    import shutil
+
+    export = root / "export" / ("e" * 64)
+    export.mkdir(parents=True)
+    shutil.copyfile(tiny_pte.path, export / "model.pte")
+    report = {"manifest_hash": tiny_pte.report["manifest_hash"], "pairing": {"tokenizer_sha256": tokenizer_sha256}}
+    files = {"model.pte": hashlib.sha256((export / "model.pte").read_bytes()).hexdigest()}
+    (export / "manifest.json").write_text(json.dumps({"stage": "export", "files": files, "report": report}))
+    target = root / "target" / ("t" * 64)
+    target.mkdir(parents=True)
+    (target / "manifest.json").write_text(json.dumps({"stage": "target", "files": {}}))
+    return export / "model.pte", target
+
+
+def test_a_tokenizer_of_the_same_size_but_another_target_is_refused_by_its_hash(tiny_pte, tmp_path):
+    import hashlib
+    import shutil
+
+    paired = word_tokenizer(tmp_path / "paired" / "tokenizer.json", 256)
+    other = word_tokenizer(tmp_path / "other" / "tokenizer.json", 256, prefix="v")  # same size, other tokens
+    sha = hashlib.sha256(paired.read_bytes()).hexdigest()
+    pte, target = store_of(tiny_pte, tmp_path / "store", sha)
+    shutil.copyfile(other, target / "tokenizer.json")
+    other_sha = hashlib.sha256(other.read_bytes()).hexdigest()
+    with pytest.raises(ValueError, match=rf"{target / 'tokenizer.json'} \(sha256 {other_sha}\) is not the one "
+                                         rf"{pte} was exported with: .*manifest.json records tokenizer sha256 {sha}"):
+        PteEngine(pte, tokenizer=target / "tokenizer.json")
+    shutil.copyfile(paired, target / "tokenizer.json")
+    assert PteEngine(pte, tokenizer=target / "tokenizer.json").meta["vocab_size"] == 256
+    # the .pte copied out of the store: the facts are found through the tokenizer's store
+    loose = tmp_path / "loose.pte"
+    shutil.copyfile(pte, loose)
+    shutil.copyfile(other, target / "tokenizer.json")
+    with pytest.raises(ValueError, match=rf"is not the one {loose} was exported with"):
+        PteEngine(loose, tokenizer=target / "tokenizer.json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import subprocess
 import sys
 import time
@@ -295,3 +296,90 @@ def test_stale_temp_dirs_are_listed_and_repaired_and_a_live_build_is_left_alone(
     assert Store(tmp_path).load("export", "live").manifest["files"].keys() == {"half.bin", "model.pte"}
     assert store_mod.main(["verify", "--root", str(tmp_path)]) == 0
     assert "stale temporary dir" not in capsys.readouterr().out
+
+
+# --- space, write errors and modes (issue 45) -----------------------------------------------------------------
+def test_a_build_that_will_not_fit_is_refused_before_it_writes_naming_stage_path_need_and_free(tmp_path):
+    store, calls = Store(tmp_path), []
+    free = store_mod.free_bytes(tmp_path)
+    with pytest.raises(store_mod.NoSpace) as e:
+        store.get_or_build("taps", "k" * 64, build_counting(calls), config={}, upstream={}, schema_version=1,
+                           estimate=lambda: free + 10**12)
+    msg = str(e.value)
+    assert msg.startswith("[Errno 28] taps: building " + "k" * 64) and str(tmp_path / "taps") in msg
+    assert re.search(r"needs about \d+\.\d GB under .*, but only \d+\.\d [KMG]?B is free there", msg), msg
+    assert calls == [] and not list((tmp_path / "taps").iterdir()), "nothing written, nothing half built"
+
+
+def test_what_the_scratch_dir_already_holds_is_not_needed_again(tmp_path):
+    store, calls = Store(tmp_path), []
+    with open(store.scratch_dir("taps", "k" * 64) / "shard.bin", "wb") as f:
+        f.truncate(2 * 10**12)  # sparse: 2 TB of shards already written, on no disk at all
+    art, _ = store.get_or_build("taps", "k" * 64, build_counting(calls), config={}, upstream={}, schema_version=1,
+                                estimate=lambda: store_mod.free_bytes(tmp_path) + 10**12)
+    assert len(calls) == 1 and art.path.is_dir()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MB tmpfs at tmp_path/disk (needs mount rights: root in a container that allows it)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_while_writing_names_the_stage_and_the_file(tiny_disk):
+    store = Store(tiny_disk / "store")
+
+    def build(out: Path) -> dict:
+        with open(out / "model.pte", "wb") as f:
+            f.write(b"\x00" * 2**21)  # 2 MB on a 1 MB disk
+        return {}
+
+    with pytest.raises(OSError) as e:
+        store.get_or_build("export", "k" * 64, build, config={}, upstream={}, schema_version=1)
+    assert e.value.errno == 28
+    assert f"export: No space left on device: {tiny_disk / 'store' / 'export'}/.tmp-{'k' * 64}" in str(e.value)
+    assert "free there" in str(e.value) and not list((tiny_disk / "store" / "export").iterdir())
+
+
+def test_artifact_files_take_the_process_umask_whatever_the_writer_chose(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    def build(out: Path) -> dict:
+        save_file({"w": torch.zeros(2)}, str(out / "model.safetensors"))  # safetensors writes 0600
+        (out / "sub").mkdir(mode=0o700)
+        (out / "sub" / "config.json").write_text("{}")
+        return {}
+
+    old = os.umask(0o027)
+    try:
+        art, _ = Store(tmp_path).get_or_build("target", "k" * 64, build, config={}, upstream={}, schema_version=1)
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(art.path).as_posix(): p.stat().st_mode & 0o777 for p in [art.path, *art.path.rglob("*")]}
+    assert modes == {".": 0o750, "model.safetensors": 0o640, "sub": 0o750, "sub/config.json": 0o640,
+                     "manifest.json": 0o640}
+
+
+def test_the_quick_check_reads_only_files_whose_size_or_time_moved(tmp_path, monkeypatch):
+    store = Store(tmp_path)
+    art, _ = store.get_or_build("taps", "k" * 64, build_counting([]), config={}, upstream={}, schema_version=1)
+    assert set(art.manifest["stat"]) == set(art.manifest["files"]) == {"weights.bin", "sub/config.json"}
+    real, hashed = store_mod.sha256_file, []
+    monkeypatch.setattr(store_mod, "sha256_file", lambda p, *a: hashed.append(Path(p).name) or real(p, *a))
+    quick = lambda: store_mod.check_artifact(art.path, hash_files="quick").problems  # noqa: E731
+    assert quick() == () and hashed == [], "an untouched artifact: stat only"
+    weights = art.path / "weights.bin"
+    os.utime(weights, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched: same bytes, another time
+    assert quick() == () and hashed == ["weights.bin"]
+    weights.write_bytes(b"\x00\x02" * 100)  # same size, other bytes
+    assert quick() == ("weights.bin sha256 differs",)
+    hashed.clear()
+    with open(weights, "r+b") as f:
+        f.truncate(150)
+    assert quick() == ("weights.bin is 150 bytes, the manifest records 200",) and hashed == []

@@ -112,3 +112,12 @@ def test_stage_resumes_shard_by_shard(tmp_path, target_artifact, monkeypatch):
         if name.endswith(".safetensors"):
             a, b = load_file(str(reference.path / name)), load_file(str(resumed.path / name))
             assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_the_size_estimate_is_the_shards_bytes(tmp_path, target_artifact):
+    target_art, data_cfg = target_artifact
+    cfg = stage_cfg(data_cfg)
+    art = build(tmp_path, cfg, target_art)
+    written = sum(p.stat().st_size for p in art.path.glob("*.safetensors"))
+    estimate = taps.estimate_bytes(cfg, {"target": target_art})
+    assert estimate <= written < estimate * 1.05, (estimate, written)  # + safetensors' headers

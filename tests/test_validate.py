@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -46,6 +47,11 @@ def test_the_default_and_smoke_configs_pass():
     ("taps.source=web", "taps.source='web': one of generate, corpus"),
     ("device=tpu", "device='tpu': one of cpu, cuda"),
     ("threads=0", "threads=0"),
+    ("+experiment=smoke runtime.prompt_len=1000",
+     "runtime.prompt_len=1000 + runtime.max_new_tokens=48 = 1048 exceeds target.max_seq_len=128"),
+    ("runtime.max_new_tokens=500", "runtime.prompt_len=64 + runtime.max_new_tokens=500 = 564 exceeds "
+                                   "target.max_seq_len=512"),
+    ("runtime.prompts_too_long=truncate", "runtime.prompts_too_long='truncate': one of error, skip"),
 ])
 def test_each_bad_value_is_refused_naming_the_key_and_the_value(override, named):
     cfg = compose_cfg(*override.split())
@@ -89,3 +95,66 @@ def test_a_bad_value_stops_the_job_before_the_first_stage(tmp_path):
     assert "runtime.chain='abc'" in r.stdout + r.stderr
     assert not (tmp_path / "out" / "store").exists(), "no stage ran"
     assert time.perf_counter() - t0 < 120
+
+
+def hf_checkpoint(root: Path, max_position_embeddings: int, words: int = 300) -> Path:
+    """A directory with what the length checks read of a Hugging Face checkpoint: config.json and a
+    whitespace tokenizer.json (w0 ... w{words-1})."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": max_position_embeddings}))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(root / "tokenizer.json"))
+    return root
+
+
+def test_lengths_against_a_max_seq_len_known_only_from_the_checkpoint(tmp_path):
+    ckpt = hf_checkpoint(tmp_path / "ckpt", 100)
+    with pytest.raises(ConfigError) as e:
+        check_config(compose_cfg("target=hf", f"target.path={ckpt}", "runtime.prompt_len=64",
+                                 "runtime.max_new_tokens=48"))
+    assert (f"runtime.prompt_len=64 + runtime.max_new_tokens=48 = 112 exceeds the target's max_seq_len=100 "
+            f"(min(max_position_embeddings of {ckpt / 'config.json'}, 4096))") in str(e.value)
+    check_config(compose_cfg("target=hf", f"target.path={ckpt}", "runtime.prompt_len=52", "runtime.max_new_tokens=48"))
+
+
+def test_prompt_file_lines_are_counted_with_the_checkpoint_tokenizer_naming_file_and_lines(tmp_path, caplog):
+    ckpt = hf_checkpoint(tmp_path / "ckpt", 100)
+    prompts = tmp_path / "prompts.txt"  # 100 - 48 = 52 tokens of room; line 2 is short in tokens, long in bytes
+    prompts.write_text("w1 w2\n" + " ".join(["w299"] * 40) + "\n" + " ".join(["w7"] * 60) + "\n")
+    args = ("target=hf", f"target.path={ckpt}", "runtime.max_new_tokens=48", f"runtime.prompts={prompts}")
+    with pytest.raises(ConfigError) as e:
+        check_config(compose_cfg(*args))
+    assert f"prompt file {prompts}: line(s) 3 hold more than 52 tokens" in str(e.value)
+    with caplog.at_level("WARNING", logger="pipeline.validate"):
+        check_config(compose_cfg(*args, "runtime.prompts_too_long=skip"))
+    assert any(f"prompt file {prompts}: line(s) 3" in r.getMessage() and "left out" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_long_prompt_file_line_is_refused_with_the_stored_target_s_tokenizer(tmp_path):
+    """The tiny target's tokenizer is the target stage's output: once it is stored, the job's plan counts the
+    lines with it before building or evaluating anything."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from pipeline.validate import check_prompts_with_target
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2\n" + " ".join(["w3"] * 100) + "\n")
+    cfg = compose_cfg("+experiment=smoke", f"runtime.prompts={prompts}")  # 128 - 48 = 80 tokens of room
+    check_config(cfg)  # the bytes cannot tell: left to the target's tokenizer
+    target = tmp_path / "target"
+    target.mkdir()
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(10)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(target / "tokenizer.json"))
+    (target / "config.json").write_text(json.dumps({"max_seq_len": 128}))
+    with pytest.raises(ConfigError, match=rf"prompt file {prompts}: line\(s\) 2 hold more than 80 tokens.*"
+                                          rf"max_seq_len=128 of the target {target}"):
+        check_prompts_with_target(cfg, target)

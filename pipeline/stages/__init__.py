@@ -8,12 +8,14 @@
 and optionally `CONTENT_ADDRESSED = False` (the eval stage: runs every time, `out` is the Hydra job dir),
 `key_extra(cfg) -> dict` (facts outside the config that must enter the key, e.g. an input dir fingerprint) and
 `upstream_for(cfg) -> tuple` (the part of UPSTREAM this config reads: the eval stage on the CUDA engine
-reads no .pte, so the export stage is not run for it).
+reads no .pte, so the export stage is not run for it) and `estimate_bytes(cfg, upstream) -> int | None` (the
+most its build writes, artifact and scratch: checked against the free space before it starts).
 
 `serve` is a stage outside ORDER: `+stage=serve` runs the stages up to export, then serves their artifacts
 (pipeline/stages/serve.py) until it is stopped, in place of the eval stage. A plain `python -m pipeline`
 never reaches it, so it never blocks.
 """
+
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ ORDER = ("target", "taps", "draft", "export", "eval")
 SERVE = "serve"
 PACKAGE = "pipeline.stages"
 INTERFACE = ("SCHEMA_VERSION", "UPSTREAM", "CONFIG_KEYS", "run")
+PARAM_BYTES = 4  # every artifact stores weights in float32
 
 
 def until(name: str) -> tuple[str, ...]:
@@ -59,3 +62,11 @@ def upstream(mod: ModuleType, cfg) -> tuple[str, ...]:
     if extra:
         raise ValueError(f"stage module {mod.__name__}: upstream_for names {extra}, which UPSTREAM lacks")
     return chosen
+
+
+def param_count(make) -> int:
+    """Parameters of the module `make()` builds, counted on the meta device (no memory, no init)."""
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in make().parameters())

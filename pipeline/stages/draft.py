@@ -34,6 +34,7 @@ at that slot gets accepted) and `predicted_tau` (runner.generate.predicted_tau o
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline import distributed, tracking
 from pipeline import train_draft as td
 from pipeline.artifacts import load_taps, taps_index
+from pipeline.stages import PARAM_BYTES, param_count
 from pipeline.store import dir_fingerprint, scratch_dir
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,21 @@ def key_extra(cfg: DictConfig) -> dict:
     if cfg.draft.kind != "load" or not Path(str(cfg.draft.path)).is_dir():
         return {}
     return {"draft_files": dir_fingerprint(Path(str(cfg.draft.path)))}
+
+
+def estimate_bytes(cfg: DictConfig, upstream: dict) -> int:
+    """The most the build writes: the float32 draft, and for draft=train its checkpoint (weights and AdamW's two
+    moments) twice while a new one replaces the old; draft=load writes about the checkpoint it loads."""
+    from models import Eagle3Draft, TargetConfig, draft_config_for
+
+    dc = cfg.draft
+    if dc.kind == "load":
+        return sum(f.stat().st_size for f in Path(str(dc.path)).rglob("*") if f.is_file())
+    target_cfg = TargetConfig.from_dict(json.loads((Path(upstream["target"].path) / "config.json").read_text()))
+    overrides = {"draft_vocab_size": min(int(dc.draft_vocab_size), target_cfg.vocab_size)}
+    if dc.get("intermediate_size"):
+        overrides["intermediate_size"] = int(dc.intermediate_size)
+    return PARAM_BYTES * param_count(lambda: Eagle3Draft(draft_config_for(target_cfg, **overrides))) * (1 + 2 * 3)
 
 
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:

@@ -6,7 +6,9 @@ At temperature 0 the two token sequences must be identical (`lossless`); a misma
 first differing position, unless `runtime.allow_mismatch=true`, which records it. At temperature > 0 the
 runs are rejection-sampled and equal only in distribution, so `lossless` is null.
 
-Prompts: `runtime.prompts` (one per line, or .jsonl with "prompt"/"text"), or `runtime.n_prompts` prompts of
+Prompts: `runtime.prompts` (one per line, or .jsonl with "prompt"/"text"; a line with no room for
+`runtime.max_new_tokens` within max_seq_len is refused or, with `runtime.prompts_too_long=skip`, left out,
+naming the file and the lines: pipeline.validate.prompt_file_lines), or `runtime.n_prompts` prompts of
 `runtime.prompt_len` tokens from the held-out split of `data`, so they were never trained on, cut by the
 function that cuts the taps' held-out prompts (pipeline.prompts.cut, seeded by `runtime.seed`): windows of
 corpus text at seeded places of documents, or with `data.prompt_format=chat` requests built from its
@@ -41,6 +43,7 @@ from pipeline import data, tracking
 from models.gguf import load_chat_template
 from pipeline.artifacts import PTE, engine_upstream, load_engine, pte_path
 from pipeline.prompts import cut
+from pipeline.validate import ConfigError, lengths_problem, prompt_file_lines
 from runner.generate import GenerationResult, generate, resolve_chain
 from runner.text import read_prompt_file, stop_ids
 
@@ -127,10 +130,17 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         pte_sha256 = (export.manifest.get("files", {}).get(PTE)
                       or hashlib.sha256(pte_path(export).read_bytes()).hexdigest())
 
+    source = f"max_seq_len={meta['max_seq_len']} of the {rt.engine} engine"
     if rt.prompts:
         texts = read_prompt_file(Path(rt.prompts))
         prompts = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+        keep = prompt_file_lines(Path(rt.prompts), texts, dict(zip(texts, map(len, prompts))).__getitem__,
+                                 max_new_tokens=int(rt.max_new_tokens), max_seq_len=meta["max_seq_len"],
+                                 source=source, policy=str(rt.get("prompts_too_long") or "error"))
+        texts, prompts = [texts[i] for i in keep], [prompts[i] for i in keep]
     else:
+        if problem := lengths_problem(int(rt.prompt_len), int(rt.max_new_tokens), meta["max_seq_len"], source):
+            raise ConfigError(problem)
         data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
         held_out = data.split(data.documents(data_cfg), "held_out")
         prompts = cut(held_out, tokenizer, int(rt.n_prompts), int(rt.prompt_len), int(rt.seed),
@@ -138,10 +148,6 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         texts = [tokenizer.decode(p) for p in prompts]
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    longest = max(len(p) for p in prompts)
-    if longest + int(rt.max_new_tokens) > meta["max_seq_len"]:
-        log.warning("prompts of up to %d tokens + max_new_tokens=%d exceed max_seq_len=%d: generations stop "
-                    "when the cache is full", longest, rt.max_new_tokens, meta["max_seq_len"])
 
     greedy = float(rt.temperature) <= 0
     kwargs = dict(max_new_tokens=int(rt.max_new_tokens), stop_ids=stop_ids(tokenizer, rt.stop),

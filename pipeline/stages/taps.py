@@ -142,6 +142,15 @@ def write_shard(path: Path, shard: dict[str, torch.Tensor], dtype: torch.dtype) 
 
 
 # --- the stage ------------------------------------------------------------------------------------------
+def estimate_bytes(cfg: DictConfig, upstream: dict) -> int:
+    """The shards: per token its id, top-1 and mask (4 + 4 + 1 bytes) and 4 H values of taps.dtype (three
+    tap layers and the final state), over every sequence of both splits."""
+    hidden = int(json.loads((Path(upstream["target"].path) / "config.json").read_text())["hidden_size"])
+    width = torch.empty(0, dtype=getattr(torch, str(cfg.taps.dtype))).element_size()
+    counts = {"train": int(cfg.taps.train_sequences), "held_out": int(cfg.taps.held_out_sequences)}
+    return sum(counts[split] * T * (9 + 4 * hidden * width) for split, (T, _) in split_lengths(cfg.taps).items())
+
+
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     from models import load_target
     from tokenizers import Tokenizer

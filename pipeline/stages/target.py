@@ -32,6 +32,7 @@ tokenizer_config.json), so later stages can build chat prompts (models.gguf.load
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import data, tracking
+from pipeline.stages import PARAM_BYTES, param_count
 from pipeline.schedule import warmup_cosine
 from pipeline.store import dir_fingerprint, scratch_dir
 
@@ -73,6 +75,36 @@ def key_extra(cfg: DictConfig) -> dict:
         if tc.get("path") and Path(tc.path).is_file():
             return {"gguf": file_fingerprint(tc.path)}
     return {}
+
+
+def estimate_bytes(cfg: DictConfig, upstream: dict) -> int | None:
+    """The most the build writes: the float32 weights; target=tiny also its training checkpoint (weights and
+    AdamW's two moments) twice while a new one replaces the old; target=gguf also the float32 checkpoint it
+    converts through in scratch. None where the parameter count is not at hand without writing (a GGUF
+    package that is assembled from chunks)."""
+    from models import TargetConfig, Transformer
+
+    tc = cfg.target
+    if tc.kind == "tiny":
+        model_cfg = TargetConfig(**OmegaConf.to_container(tc.model, resolve=True))
+        return PARAM_BYTES * param_count(lambda: Transformer(model_cfg)) * (1 + 2 * 3)
+    if tc.kind == "hf":
+        from models.hf import target_config_from_hf
+
+        path = Path(str(tc.path))
+        model_cfg = target_config_from_hf(json.loads((path / "config.json").read_text()), path,
+                                          max_seq_len=tc.get("max_seq_len"))
+        return PARAM_BYTES * param_count(lambda: Transformer(model_cfg))
+    if tc.kind == "gguf":
+        from gguf import GGUFReader
+
+        from models.gguf import find_package, package_gguf
+
+        if not tc.get("path") and find_package(tc.package).assembled:
+            return None
+        path = Path(tc.path) if tc.get("path") else package_gguf(tc.package, None)  # carried: nothing written
+        return PARAM_BYTES * sum(int(t.n_elements) for t in GGUFReader(path).tensors) * 2
+    return None
 
 
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
