@@ -258,10 +258,14 @@ def compose_cfg(tmp_path: Path, *overrides: str):
     if not corpus.exists():
         corpus.parent.mkdir(parents=True, exist_ok=True)
         corpus.write_text(TEXT * 4)
+    from pipeline.hardware import resolve
+
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=[
+        cfg = compose(config_name="config", overrides=[
             "+experiment=smoke", "+stage=target", "tracking=none", f"paths.outputs={tmp_path / 'out'}",
             "data=text", f"data.paths=[{corpus}]", "target=gguf", *overrides])
+    resolve(cfg)  # `auto` -> this machine's values, as pipeline.app.main does before any key
+    return cfg
 
 
 def run_target(tmp_path: Path, *overrides: str):
