@@ -31,6 +31,7 @@ from models import load_target  # noqa: E402
 from models import gguf as mg  # noqa: E402
 from models.hf import SUPPORTED_MODEL_TYPES, rope_settings  # noqa: E402
 from pipeline.app import CONF_DIR, Job, plan_keys  # noqa: E402
+from pipeline.hardware import resolve  # noqa: E402
 from pipeline.validate import ConfigError, check_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -258,8 +259,6 @@ def compose_cfg(tmp_path: Path, *overrides: str):
     if not corpus.exists():
         corpus.parent.mkdir(parents=True, exist_ok=True)
         corpus.write_text(TEXT * 4)
-    from pipeline.hardware import resolve
-
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "+experiment=smoke", "+stage=target", "tracking=none", f"paths.outputs={tmp_path / 'out'}",
