@@ -171,7 +171,9 @@ def test_cached_path_token_by_token_and_in_chunks(gemma):
 def test_greedy_matches_transformers_generate(gemma):
     seed, P, N = fresh_seed(), 16, 72
     prompt = tokens(gemma.vocab, (1, P), seed)
-    ref = gemma.hf.generate(prompt, do_sample=False, max_new_tokens=N, min_new_tokens=N, pad_token_id=0)[0, P:]
+    # an explicit mask: without one generate() masks every prompt token equal to pad_token_id as padding
+    ref = gemma.hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=N,
+                            min_new_tokens=N, pad_token_id=0)[0, P:]
     model = gemma.ours
     model.reset_cache()
     tok = model(prompt, torch.arange(P), last_only=True)[:, -1].argmax(-1, keepdim=True)

@@ -81,7 +81,8 @@ def test_cached_greedy_matches_transformers_generate(hf_pair):
     name, hf, ours, _, _ = hf_pair
     torch.manual_seed(1)
     prompt = torch.randint(0, 256, (1, 8))
-    ref = hf.generate(prompt, do_sample=False, max_new_tokens=32, pad_token_id=0)[0, 8:]
+    ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=32,
+                      pad_token_id=0)[0, 8:]
     ours.reset_cache()
     logits = ours(prompt, torch.arange(8), last_only=True)
     tok = logits[:, -1].argmax(-1, keepdim=True)
