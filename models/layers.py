@@ -341,13 +341,16 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
     return mask
 
 
-def cached_mask(kv_impl: str, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None):
+def cached_mask(kv_impl: str, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, *,
+                full_cache: bool = False):
     """The mask a cached call's layers of one window take, built once per call and shared by them:
     "index_copy": bool [T, S] (attention_mask); "llama_ops": None for a causal layer (custom_sdpa's own
-    causal rule from input_pos[0]), else the same visibility as an additive float32 mask [T, S] (0 / -inf)."""
+    causal rule from input_pos[0]) unless `full_cache`, else the same visibility as an additive float32 mask
+    [T, S] (0 / -inf). custom_sdpa reduces over start + T keys without a mask and over all S with one, so a
+    masked call's arithmetic for a row does not depend on where its call starts."""
     if kv_impl == "index_copy":
         return attention_mask(q_pos, k_pos, window)
-    if window is None:
+    if window is None and not full_cache:
         return None
     return torch.where(attention_mask(q_pos, k_pos, window), 0.0, float("-inf")).to(torch.float32)
 

@@ -62,6 +62,12 @@ class Speculator(nn.Module):
         logits, taps = self.target(tokens, input_pos, taps=True)
         return torch.argmax(logits, dim=-1), self.draft.fuse(taps), logits
 
+    def target_verify_exact(self, tokens: torch.Tensor, input_pos: torch.Tensor):
+        """target_verify attending over the whole cache (Transformer.hidden, `full_cache`): calls of one width
+        give a row the same bits whichever call it is in, the exact mode's target call (runner.engine)."""
+        logits, taps = self.target(tokens, input_pos, taps=True, full_cache=True)
+        return torch.argmax(logits, dim=-1), self.draft.fuse(taps), logits
+
     def target_decode(self, tokens: torch.Tensor, input_pos: torch.Tensor):
         """tokens [1,1], input_pos [1] -> (ids [1,1], logits [1,1,V]); the K=0 baseline (no taps, no feature)."""
         logits = self.target(tokens, input_pos)

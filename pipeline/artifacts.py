@@ -59,7 +59,21 @@ def engine_upstream(cfg) -> tuple[str, ...]:
 
 
 def load_engine(cfg, upstream: dict):
-    """The runner.engine.Engine that `runtime.engine` names, over the upstream artifacts."""
+    """The runner.engine.Engine that `runtime.engine` names, over the upstream artifacts, in exact mode when
+    `runtime.exact` (resolved by pipeline.hardware) says so."""
+    from runner.engine import ExactEngine
+
+    rt = cfg.runtime
+    if rt.get("exact") == "auto" or (rt.get("exact") and rt.get("exact_width") == "auto"):
+        raise ValueError(f"runtime.exact={rt.get('exact')!r}, runtime.exact_width={rt.get('exact_width')!r}: "
+                         "resolve `auto` first (pipeline.hardware.resolve)")
+    engine = _load_engine(cfg, upstream)
+    if rt.engine != "cuda" and rt.get("exact"):  # the CUDA engine runs exact mode itself
+        engine = ExactEngine(engine, int(rt.exact_width))
+    return engine
+
+
+def _load_engine(cfg, upstream: dict):
     from runner.engine import EagerEngine, PteEngine
 
     engine = str(cfg.runtime.engine)  # pipeline.validate refused any other, and cuda without a CUDA device
@@ -74,7 +88,7 @@ def load_engine(cfg, upstream: dict):
 
         return load_cuda_engine(upstream["target"].path, upstream["draft"].path, windows=windows(cfg.export),
                                 device=cfg.runtime.get("device") or "cuda", kernels=cfg.export.get("quant") == "int4",
-                                exact=bool(cfg.runtime.get("exact", True)))
+                                exact=bool(cfg.runtime.exact))
     from models import Speculator, load_speculators, load_target
 
     target = load_target(upstream["target"].path)

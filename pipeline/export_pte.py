@@ -10,6 +10,7 @@ Vd = draft vocab). Every method returns a list, in this order:
     method          inputs                                            outputs                                       T range
     prefill         tokens[1,T], input_pos[T]                         next_id[1,1], feature[1,T,H], logits[1,V]    [min_prefill_chunk, max_prefill_chunk]
     target_verify   tokens[1,T], input_pos[T]                         ids[1,T], feature[1,T,H], logits[1,T,V]      [2, max_m]
+    target_verify_exact  as target_verify, attending over the whole cache under a mask (exact mode)        [2, max_m]
     target_decode   tokens[1,1], input_pos[1]                         ids[1,1], logits[1,1,V]                      1 (the K=0 baseline)
     draft_decode    tokens[1,T], feature[1,T,H], input_pos[T]         ids[1,T] (TARGET vocab), g[1,T,H], logits[1,T,Vd]   [1, max(max_prefill_chunk, max_m)]
 
@@ -115,7 +116,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("portable", "xnnpack")
 QUANTS = ("none", "int4", "int4_draft")
-TARGET_METHODS = ("prefill", "target_verify", "target_decode")
+TARGET_METHODS = ("prefill", "target_verify", "target_verify_exact", "target_decode")
 METHODS = TARGET_METHODS + ("draft_decode",)
 
 
@@ -176,7 +177,8 @@ def check_export_args(*, max_m: int, default_chain: int, min_prefill_chunk: int,
     if not min_prefill_chunk <= max_prefill_chunk <= max_seq_len:
         raise ValueError(f"prefill chunk range [{min_prefill_chunk}, {max_prefill_chunk}] must satisfy "
                          f"min <= max <= max_seq_len={max_seq_len}")
-    check_dispatch_windows({"target_verify": (2, max_m), "prefill": (min_prefill_chunk, max_prefill_chunk),
+    check_dispatch_windows({"target_verify": (2, max_m), "target_verify_exact": (2, max_m),
+                            "prefill": (min_prefill_chunk, max_prefill_chunk),
                             "target_decode": (1, 1)}, max_m)
 
 
@@ -218,7 +220,7 @@ def method_specs(*, max_m: int, min_prefill_chunk: int, max_prefill_chunk: int, 
     t_draft = max(max_prefill_chunk, max_m)
     specs = {}
     for name, (lo, hi) in {"prefill": (min_prefill_chunk, max_prefill_chunk), "target_verify": (2, max_m),
-                           "target_decode": (1, 1)}.items():
+                           "target_verify_exact": (2, max_m), "target_decode": (1, 1)}.items():
         d = _dim(f"T_{name}", lo, hi)
         specs[name] = (lambda s, n=name: _TargetMethod(s, n), _tokens(_sample(lo, hi)),
                        None if d is None else ({1: d}, {0: d}), (lo, hi))

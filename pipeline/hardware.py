@@ -1,6 +1,6 @@
 """What this machine computes well: the training dtype, the thread count and XNNPACK's GEMM row tile.
 
-Three defaults follow the machine instead of a number in conf/, because the same number is fast on one
+These defaults follow the machine instead of a number in conf/, because the same number is fast on one
 machine and slow on another (a bf16 matmul is 9x slower than fp32 on an AVX2 CPU without avx512_bf16; XNNPACK's
 fp32 GEMM takes 7 rows a pass on AVX-512 and 6 on AVX2, its 8da4w GEMM 8 and 3):
 
@@ -9,6 +9,8 @@ fp32 GEMM takes 7 rows a pass on AVX-512 and 6 on AVX2, its 8da4w GEMM 8 and 3):
 - `threads: null`: the cores this process may use (`os.sched_getaffinity`), shared among the jobs that run at
   once. OpenMP threads wait passively at barriers (`openmp_env`): a spinning thread on a core that another
   process also wants takes that process's time slices and every barrier waits for it.
+- `runtime.exact: auto`: exact mode (runner.engine.ExactEngine) where a row's rounding can flip a token (the
+  CUDA engine, an int4 .pte target), and `runtime.exact_width: auto` its call width, the GEMM's row tile.
 - `export.default_chain: auto`: the default K at most 4 and, on XNNPACK, at most the rows its GEMM takes in
   one pass for the target's weights on this CPU minus one (`row_tile`), so the default window T = K+1 does
   not read the weights twice. max_m itself stays 8 everywhere: one .pte serves K = 1..7 on every machine, a
@@ -269,6 +271,31 @@ def resolve_default_chain(value, *, max_m: int, backend: str, quant: str, engine
     return chain
 
 
+def resolve_exact(value, *, engine: str, quant: str) -> bool:
+    """runtime.exact: a bool is kept; `auto` is on where a row's rounding can flip a greedy token between
+    K = 0 and K > 0: the CUDA engine (bf16 or INT4 GEMMs take other paths at other widths) and a .pte whose
+    target is int4 (8da4w rounds every linear's input to int8 per row). An fp32 target stays at T = 1 decode,
+    where every eval checks losslessness anyway."""
+    if value != AUTO:
+        return bool(value)
+    return engine == "cuda" or target_quant(quant) == "int4"
+
+
+def resolve_exact_width(value, *, max_m: int, backend: str, quant: str, engine: str) -> int:
+    """runtime.exact_width: an int is kept; `auto` is max_m on the CUDA engine, and elsewhere the rows XNNPACK's
+    GEMM takes in one pass for the target's weights on this CPU (`row_tile`, at least 2, at most max_m): the
+    exact K=0 then decodes at about the cost of one row, and K goes up to width - 1."""
+    if value != AUTO:
+        return int(value)
+    if engine == "cuda" or backend != "xnnpack":
+        return max_m
+    tile = row_tile(target_quant(quant))
+    width = max(2, min(max_m, tile["tile"]))
+    log.info("runtime.exact_width=auto: %d rows (XNNPACK's %s GEMM takes %d rows a pass on this CPU, %s)", width,
+             "fp32" if target_quant(quant) == "none" else "8da4w", tile["tile"], tile["capability"])
+    return width
+
+
 AUTO_KEYS = ("target.train.autocast", "draft.train.autocast", "export.default_chain")
 
 
@@ -299,6 +326,14 @@ def resolve(cfg) -> dict:
             ec.default_chain = resolved["export.default_chain"] = resolve_default_chain(
                 AUTO, max_m=int(ec.max_m), backend=str(ec.backend), quant=str(ec.get("quant", "none")),
                 engine=str(cfg.runtime.engine))
+        rt = cfg.get("runtime")
+        if ec is not None and rt is not None:
+            engine, quant = str(rt.engine), str(ec.get("quant", "none"))
+            if rt.get("exact") == AUTO:
+                rt.exact = resolved["runtime.exact"] = resolve_exact(AUTO, engine=engine, quant=quant)
+            if rt.get("exact") and rt.get("exact_width") == AUTO:
+                rt.exact_width = resolved["runtime.exact_width"] = resolve_exact_width(
+                    AUTO, max_m=int(ec.max_m), backend=str(ec.backend), quant=quant, engine=engine)
     return resolved
 
 

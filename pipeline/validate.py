@@ -167,8 +167,12 @@ def _check_lengths(c: _Checker) -> None:
     elsewhere the tokenizer is the target stage's output, so the eval stage counts them before it evaluates
     anything (`prompt_file_lines`, the same rule; the job's plan does it as soon as the target is in the
     store), and this only notes the lines whose UTF-8 bytes + 1 (a bound on the tokens of a byte-level or
-    byte-fallback vocabulary) do not clear the budget."""
+    byte-fallback vocabulary) do not clear the budget. Exact mode's padding rows take exact_width - 1
+    positions of the cache (runner.engine.ExactEngine), which a prompt then cannot use."""
     max_seq_len, source = known_max_seq_len(c)
+    width = c.get("runtime.exact_width")
+    if max_seq_len is not None and c.get("runtime.exact") is True and _is_int(width) and width > 1:
+        max_seq_len, source = max_seq_len - (width - 1), f"{source} less exact mode's {width - 1} padding positions"
     prompt_len, max_new = c.get("runtime.prompt_len"), c.get("runtime.max_new_tokens")
     if max_seq_len is None or not (_is_int(prompt_len) and _is_int(max_new)):
         return
@@ -296,7 +300,16 @@ def check_config(cfg: DictConfig) -> None:
 
         if not torch.cuda.is_available():
             c.fail(f"{rt}.engine", "cuda", "pte or eager on a machine where torch sees no CUDA device")
-    c.choice(f"{rt}.exact", (True, False))
+    c.choice(f"{rt}.exact", (True, False, "auto"))
+    width = c.get(f"{rt}.exact_width")
+    if width != "auto" and max_m is not None and c.int_in(f"{rt}.exact_width", 2, max_m):
+        if c.get(f"{rt}.engine") == "cuda" and width != max_m:
+            c.fail(f"{rt}.exact_width", width, f"auto or export.max_m={max_m} on the cuda engine (its captured "
+                   "graphs are the max_m-row calls)")
+        chain = c.get(f"{rt}.chain")
+        if c.get(f"{rt}.exact") is True and isinstance(chain, int) and chain > width - 1:
+            c.fail(f"{rt}.chain", chain, f"at most runtime.exact_width - 1 = {width - 1} in exact mode (a round "
+                   "verifies K+1 rows in one call of exact_width rows), or a larger runtime.exact_width")
     c.number_in(f"{rt}.temperature", 0.0)
     c.int_in(f"{rt}.max_new_tokens", 1)
     c.int_in(f"{rt}.seed", 0)

@@ -2,6 +2,7 @@
 
     python -m runner --pte model.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4
     python -m runner --pte model.pte --tokenizer tokenizer.json --prompt-file prompts.txt --chain 0
+    python -m runner --pte int4.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4 --exact-width 8
 
 A .pte with the export artifact's manifest.json beside it is checked against the sha256 recorded there
 and refused (exit 2) when it differs; one without a manifest runs with a warning that it is unchecked.
@@ -17,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from runner.engine import PteEngine
+from runner.engine import ExactEngine, PteEngine
 from runner.generate import generate
 from runner.text import read_prompt_file, stop_ids
 
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", nargs="*", default=[], help="extra stop tokens (strings or ids)")
+    p.add_argument("--exact-width", type=int, default=None, metavar="W",
+                   help="exact mode (runtime.exact_width): every target call W rows over the whole cache, so every "
+                        "K gives K=0's tokens bit for bit (an int4 .pte); W in [2, max_m], K <= W-1")
     p.add_argument("--rounds", action="store_true", help="print K, accepted, emitted and timings of every round")
     args = p.parse_args(argv)
 
@@ -61,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # first: a file that is no program, differs from its manifest or does not fit the tokenizer is refused
     engine = PteEngine(args.pte, tokenizer=args.tokenizer)
+    if args.exact_width is not None:
+        engine = ExactEngine(engine, args.exact_width)
     tokenizer = Tokenizer.from_file(str(args.tokenizer))
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     stops = stop_ids(tokenizer, args.stop)

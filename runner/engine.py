@@ -52,7 +52,7 @@ CONSTANT_METHODS = {
     "min_prefill_chunk": "get_min_prefill_chunk",
     "sliding_window": "get_sliding_window",  # 0 = no sliding-window layer
 }
-PROGRAM_METHODS = ("prefill", "target_verify", "target_decode", "draft_decode")
+PROGRAM_METHODS = ("prefill", "target_verify", "target_verify_exact", "target_decode", "draft_decode")
 
 
 class Engine(Protocol):
@@ -236,6 +236,9 @@ class PteEngine:
     def target_verify(self, tokens, input_pos):
         return self._run("target_verify", tokens, input_pos)
 
+    def target_verify_exact(self, tokens, input_pos):
+        return self._run("target_verify_exact", tokens, input_pos)
+
     def target_decode(self, tokens, input_pos):
         return self._run("target_decode", tokens, input_pos)
 
@@ -270,13 +273,18 @@ def fixed_width(target_verify, width: int):
 
 
 class ExactEngine:
-    """Exact mode (`runtime.exact`) over an engine whose target_verify takes any T in [2, max_m] (the .pte, the
-    eager modules): after the prefill every target call, decode included, is a target_verify of `width` rows
-    (`fixed_width`). A row's logits otherwise depend on the width of its call (an 8da4w linear rounds its
-    input to int8 per row, so a 1e-7 difference from the attention kernel's T-dependent path becomes a whole
-    step and a near tie flips), and speculation would leave K=0's tokens. The prefill is the same call for
-    every K, so it stays as it is. K is at most width - 1 (`meta["max_m"]` = width), and the padding rows' slots
-    take width - 1 positions of the cache (`meta["max_seq_len"]`). The price is K=0's decode at width rows."""
+    """Exact mode (`runtime.exact`) over the .pte or the eager modules: every K gives K=0's tokens bit for bit.
+
+    A row's logits otherwise depend on the call it is in, in two ways, and an int4 target (8da4w rounds every
+    linear's input to int8 per row) turns a 1e-7 difference into a whole step, so near ties flip:
+    - the width: XNNPACK's GEMM takes other paths for other numbers of rows. After the prefill (the same
+      call for every K) every target call, decode included, is one of `width` rows (`fixed_width`);
+    - the key length: llama::custom_sdpa reduces over start + T keys, and the order of its sums follows
+      that length. Every call is a `target_verify_exact`, which attends over the whole cache under a mask.
+    A row's arithmetic then depends on its position, its tokens and the cache alone. K is at most width - 1
+    (`meta["max_m"]` = width), and the padding rows' slots take width - 1 positions of the cache
+    (`meta["max_seq_len"]`). The price: K=0 decodes `width` rows over max_seq_len keys instead of one row
+    over its position's."""
 
     def __init__(self, engine, width: int):
         max_m = engine.meta["max_m"]
@@ -285,7 +293,7 @@ class ExactEngine:
         self.inner, self.width = engine, width
         self.meta = {**engine.meta, "max_m": width, "max_seq_len": engine.meta["max_seq_len"] - (width - 1),
                      "default_chain": min(engine.meta["default_chain"], width - 1), "exact_width": width}
-        self.target_decode, self.target_verify = fixed_width(engine.target_verify, width)
+        self.target_decode, self.target_verify = fixed_width(engine.target_verify_exact, width)
 
     def prefill(self, tokens, input_pos):
         return self.inner.prefill(tokens, input_pos)
@@ -338,6 +346,9 @@ class EagerEngine:
 
     def target_verify(self, tokens, input_pos):
         return self._run(self.spec.target_verify, tokens, input_pos)
+
+    def target_verify_exact(self, tokens, input_pos):
+        return self._run(self.spec.target_verify_exact, tokens, input_pos)
 
     def target_decode(self, tokens, input_pos):
         return self._run(self.spec.target_decode, tokens, input_pos)

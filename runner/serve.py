@@ -741,6 +741,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runner.serve", description=__doc__.split("\n")[0])
     p.add_argument("--engine", choices=("pte", "cuda"), default="pte")
     p.add_argument("--pte", type=Path, help="the .pte (--engine pte)")
+    p.add_argument("--exact-width", type=int, default=None, metavar="W",
+                   help="--engine pte: exact mode (runtime.exact_width), every target call W rows, every K gives "
+                        "K=0's tokens bit for bit; W in [2, max_m]")
     p.add_argument("--tokenizer", required=True, type=Path, help="tokenizer.json (the target artifact's)")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template; default: chat_template.jinja "
                    "beside the tokenizer, if there is one")
@@ -783,9 +786,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "pte":
         if args.pte is None:
             p.error("--engine pte needs --pte")
-        from runner.engine import PteEngine
+        from runner.engine import ExactEngine, PteEngine
 
         engine = PteEngine(args.pte, tokenizer=args.tokenizer)  # first: a .pte unlike its manifest is refused
+        if args.exact_width is not None:
+            engine = ExactEngine(engine, args.exact_width)
         model = args.model_name or str(args.pte)
     else:
         missing = [f"--{k.replace('_', '-')}" for k in ("target", "draft", "max_m", "max_prefill_chunk", "chain")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import sweep
+from pipeline import hardware, sweep
 from pipeline.stages import eval as eval_stage
 from runner.generate import GenerationResult
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 METRIC_NAMES = {"chain", "max_m", "pte_sha256", "tokens_per_s", "baseline_tokens_per_s", "speedup", "tau",
                 "acceptance_rate", "verify_ms_per_round", "draft_ms_per_round", "prefill_ms", "rounds",
-                "emitted_tokens", "lossless", "n_prompts"}
+                "emitted_tokens", "lossless", "n_prompts", "exact_width"}
 
 
 def fake_run(chain, chain_per_round, accepted, n_out, decode_ms):
@@ -36,7 +36,20 @@ def test_metrics_have_exactly_the_issue_names():
     assert m["speedup"] == pytest.approx(m["tokens_per_s"] / m["baseline_tokens_per_s"])
     assert m["rounds"] == 3 and m["emitted_tokens"] == 8 and m["n_prompts"] == 1
     assert m["verify_ms_per_round"] == 1.0 and m["draft_ms_per_round"] == 0.5
+    assert m["exact_width"] == 0
     json.dumps(m)
+
+
+def test_exact_mode_reports_the_plain_decode_beside_the_exact_baseline():
+    base = fake_run(0, [0] * 9, [0] * 9, 10, 90.0)
+    spec = fake_run(3, [3, 3, 3], [3, 1, 0], 8, 30.0)
+    plain = fake_run(0, [0] * 9, [0] * 9, 10, 60.0)
+    m = eval_stage.metrics([(base, spec)], chain=3, max_m=8, pte_sha256="ab", lossless=True, n_positions=3,
+                           plain=[plain], exact_width=8)
+    assert set(m) == METRIC_NAMES | {"acceptance_pos_0", "acceptance_pos_1", "acceptance_pos_2",
+                                     "plain_tokens_per_s", "speedup_vs_plain"}
+    assert m["exact_width"] == 8 and m["plain_tokens_per_s"] == pytest.approx(9 / 0.060)
+    assert m["speedup_vs_plain"] == pytest.approx(m["tokens_per_s"] / m["plain_tokens_per_s"])
 
 
 def test_first_difference():
@@ -145,6 +158,7 @@ def run_stage(stage_inputs, tmp_path, **runtime):
 
     base, upstream, _ = stage_inputs
     cfg = OmegaConf.merge(base, {"runtime": runtime})
+    hardware.resolve(cfg)  # `auto` -> this machine's values, as pipeline.app does before any stage
     report = eval_stage.run(cfg, upstream, tmp_path)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     gens = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
@@ -165,6 +179,14 @@ def test_eval_writes_metrics_and_generations(stage_inputs, tmp_path):
         assert len(g["prompt_ids"]) == 12 and g["lossless"] is True
         assert len(g["output_ids"]) == 24 or g["output_ids"][-1] == 1  # the budget, or <|eos|>
         assert g["text"].split() == [(["<|bos|>", "<|eos|>"] + WORDS)[i] for i in g["output_ids"]]
+
+
+def test_eval_in_exact_mode_checks_every_k_against_the_exact_k0_and_times_the_plain_decode(stage_inputs, tmp_path):
+    _, m, gens = run_stage(stage_inputs, tmp_path, chain=3, exact=True, exact_width=4)
+    assert m["exact_width"] == 4 and m["max_m"] == 4 and m["lossless"] is True
+    assert m["plain_tokens_per_s"] > 0 and m["speedup_vs_plain"] == pytest.approx(
+        m["tokens_per_s"] / m["plain_tokens_per_s"])
+    assert all(len(g["output_ids"]) == 24 or g["output_ids"][-1] == 1 for g in gens)
 
 
 def test_eval_prompts_are_cut_as_the_taps_cut_their_held_out_prompts(stage_inputs, tmp_path):

@@ -234,7 +234,7 @@ def test_only_the_cache_and_attention_ops_stay_outside_xnnpack_per_layer(exporte
     x = exported
     if x.backend != "xnnpack":
         pytest.skip("the portable program has no delegate")
-    n_layers = {"prefill": 2, "target_verify": 2, "target_decode": 2, "draft_decode": 1}
+    n_layers = {"prefill": 2, "target_verify": 2, "target_verify_exact": 2, "target_decode": 2, "draft_decode": 1}
     for method, listing in x.report["ops_outside_delegate"].items():
         ops = dict(item.rsplit(" x", 1) for item in listing)
         assert int(ops["llama.custom_sdpa.default"]) == n_layers[method], (method, listing)
@@ -496,10 +496,11 @@ def test_an_interrupted_export_lowers_only_the_rest_and_writes_the_same_bytes(ti
     with pytest.raises(KeyboardInterrupt):
         export_lib.export_pte(tiny_pte.speculator(), out_path=tmp_path / "model.pte", **args)
     assert sorted(p.name for p in tmp_path.glob("*.lowered.pt2")) == ["prefill.lowered.pt2",
-                                                                      "target_verify.lowered.pt2"]
+                                                                      "target_verify.lowered.pt2",
+                                                                      "target_verify_exact.lowered.pt2"]
     lowered.clear()
     report = export_lib.export_pte(tiny_pte.speculator(), out_path=tmp_path / "model.pte", **args)
     assert lowered == ["target_decode", "draft_decode"], "the rerun lowers only what was not saved"
-    assert report["methods_resumed"] == ["prefill", "target_verify"]
+    assert report["methods_resumed"] == ["prefill", "target_verify", "target_verify_exact"]
     assert report["delegate_calls"] == tiny_pte.report["delegate_calls"]
     assert (tmp_path / "model.pte").read_bytes() == tiny_pte.path.read_bytes()

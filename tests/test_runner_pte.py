@@ -1,9 +1,8 @@
 """The speculative loop on a real exported program: one .pte for every K, the same tokens as greedy decoding,
 the same tokens as the eager engine, and clear refusals.
 
-A random tiny draft is almost never right, so to drive the accepted paths through the real target methods
-the `Oracle` wrapper replaces the draft's proposals with the target's own greedy continuation (known from
-the baseline run), optionally spoiled at chosen positions, while every call still runs the .pte.
+A random tiny draft is almost never right: `Oracle` (tests/oracle.py) drives the accepted paths through the
+real target methods.
 """
 
 import pytest
@@ -11,6 +10,8 @@ import torch
 
 from runner.engine import EagerEngine, PteEngine
 from runner.generate import generate
+
+from oracle import Oracle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -33,33 +34,6 @@ def prompt_lengths(meta):
     """Short of the prefill minimum, one token, exactly one chunk, a chunk plus a one-token tail, several."""
     lo, hi = meta["min_prefill_chunk"], meta["max_prefill_chunk"]
     return sorted({1, 2, max(lo - 1, 1), lo, hi, hi + 1, min(2 * hi + 3, 40)})
-
-
-class Oracle:
-    """The .pte with draft proposals replaced by the known greedy sequence `seq` (prompt + continuation):
-    the draft query at position i proposes seq[i + 2], unless `wrong(j)` for the j-th proposal of a round."""
-
-    def __init__(self, engine, seq, wrong=lambda j: False):
-        self.engine, self.seq, self.wrong, self.meta = engine, seq, wrong, engine.meta
-        self.j = 0
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def target_verify(self, tokens, input_pos):
-        self.j = 0
-        return self.engine.target_verify(tokens, input_pos)
-
-    def draft_decode(self, tokens, feature, input_pos):
-        ids, g, logits = self.engine.draft_decode(tokens, feature, input_pos)
-        i = int(input_pos[-1]) + 2
-        if tokens.shape[1] > 1:  # a (re)seed: the first proposal of a round
-            self.j = 0
-        if i < len(self.seq):
-            ids = ids.clone()
-            ids[0, -1] = self.seq[i] if not self.wrong(self.j) else (self.seq[i] + 1) % self.meta["vocab_size"]
-        self.j += 1
-        return ids, g, logits
 
 
 def test_every_k_equals_greedy_from_one_pte(pte):
@@ -165,6 +139,12 @@ def test_the_command_line_runner_prints_text_tau_and_timings(tiny_pte, tmp_path,
     assert "tau" in out and "tokens/s" in out and "verify_ms" in out
     with pytest.raises(ValueError, match=r"outside the valid range \[1, 5\]"):
         main([*args, "--prompt", "w5", "--chain", "6"])
+    main([*args, "--prompt", "w5 w6", "--chain", "0"])
+    plain = capsys.readouterr().out.split("\n")[0]
+    assert main([*args, "--prompt", "w5 w6", "--chain", "2", "--exact-width", "3"]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == plain  # fp32: exact and plain give the same greedy text
+    with pytest.raises(ValueError, match=r"outside the valid range \[1, 2\]"):
+        main([*args, "--prompt", "w5", "--chain", "3", "--exact-width", "3"])
 
 
 def _pte_with_manifest(tiny_pte, where, files=None):

@@ -25,7 +25,9 @@ Writes into the Hydra job directory:
 Metrics: chain, max_m, pte_sha256 ("" on the CUDA engine), tokens_per_s, baseline_tokens_per_s, speedup,
 tau (tokens emitted per round, the prefill bonus excluded), acceptance_rate, acceptance_pos_<i> (i < K; 0
 where no round reached i), verify_ms_per_round, draft_ms_per_round, prefill_ms (per prompt, target prefill +
-draft seeding), rounds, emitted_tokens, lossless, n_prompts. Throughputs are decode tokens (after the prefill
+draft seeding), rounds, emitted_tokens, lossless, n_prompts, exact_width (0: not exact). In exact mode
+(`runtime.exact`, runner.engine.ExactEngine) the baseline is the exact K=0, whose tokens every K must give,
+and the plain T=1 decode of the same program runs too: plain_tokens_per_s, speedup_vs_plain. Throughputs are decode tokens (after the prefill
 bonus) over decode time, summed over prompts. After a one-prompt warm-up of both runs, which is not counted.
 """
 
@@ -44,6 +46,7 @@ from models.gguf import load_chat_template
 from pipeline.artifacts import PTE, engine_upstream, load_engine, pte_path
 from pipeline.prompts import cut
 from pipeline.validate import ConfigError, lengths_problem, prompt_file_lines
+from runner.engine import ExactEngine
 from runner.generate import GenerationResult, generate, resolve_chain
 from runner.text import read_prompt_file, stop_ids
 
@@ -75,7 +78,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def metrics(runs: list[tuple[GenerationResult, GenerationResult]], *, chain: int, max_m: int, pte_sha256: str,
-            lossless: bool | None, n_positions: int) -> dict:
+            lossless: bool | None, n_positions: int, plain: list[GenerationResult] | None = None,
+            exact_width: int = 0) -> dict:
     base = [b for b, _ in runs]
     spec = [s for _, s in runs]
     rate = lambda rs: sum(r.decode_tokens for r in rs) / max(sum(r.decode_ms for r in rs) / 1e3, 1e-9)  # noqa: E731
@@ -104,7 +108,11 @@ def metrics(runs: list[tuple[GenerationResult, GenerationResult]], *, chain: int
         "emitted_tokens": sum(len(r.output_ids) for r in spec),
         "lossless": lossless,
         "n_prompts": len(runs),
+        "exact_width": exact_width,
     })
+    if plain:
+        out["plain_tokens_per_s"] = rate(plain)
+        out["speedup_vs_plain"] = tokens_per_s / out["plain_tokens_per_s"] if out["plain_tokens_per_s"] else 0.0
     return out
 
 
@@ -156,16 +164,22 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     log.info("eval: %d prompts, K=%d (%s), max_m=%d, engine=%s%s", len(prompts), chain, policy,
              meta["max_m"], rt.engine, f", .pte {pte_sha256[:12]}" if pte_sha256 else "")
 
+    # exact mode: the plain T=1 decode of the same program too, for speed (its tokens may differ from exact K=0's)
+    plain_engine = engine.inner if isinstance(engine, ExactEngine) else None
     # warm-up (first calls allocate and initialise the delegates), not counted
     generate(engine, prompts[0], chain=0, **{**kwargs, "max_new_tokens": 8})
+    if plain_engine is not None:
+        generate(plain_engine, prompts[0], chain=0, **{**kwargs, "max_new_tokens": 8})
     if chain:
         generate(engine, prompts[0], chain=chain, policy=policy, **{**kwargs, "max_new_tokens": 8})
 
-    runs, all_equal = [], True
+    runs, plain, all_equal = [], [], True
     with open(out / "generations.jsonl", "w") as gens:
         for i, (text, ids) in enumerate(tqdm(list(zip(texts, prompts)), desc=f"eval K={chain}", unit="prompt")):
             base = generate(engine, ids, chain=0, **kwargs)
             spec = generate(engine, ids, chain=chain, policy=policy, **kwargs) if chain else base
+            if plain_engine is not None:
+                plain.append(generate(plain_engine, ids, chain=0, **kwargs))
             diff = first_difference(base.output_ids, spec.output_ids) if greedy else None
             all_equal &= diff is None
             runs.append((base, spec))
@@ -192,11 +206,16 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
 
     n_positions = chain if policy == "static" else meta["max_m"] - 1
     result = metrics(runs, chain=chain, max_m=meta["max_m"], pte_sha256=pte_sha256,
-                     lossless=all_equal if greedy else None, n_positions=n_positions)
+                     lossless=all_equal if greedy else None, n_positions=n_positions, plain=plain,
+                     exact_width=meta.get("exact_width", 0))
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
     log.info("eval K=%d: %.1f tokens/s (baseline %.1f, speedup %.2fx), tau %.2f, acceptance %.2f, lossless %s",
              chain, result["tokens_per_s"], result["baseline_tokens_per_s"], result["speedup"], result["tau"],
              result["acceptance_rate"], result["lossless"])
+    if plain:
+        log.info("eval: exact mode at %d rows; the plain T=1 decode of the same program: %.1f tokens/s "
+                 "(speedup against it %.2fx)", result["exact_width"], result["plain_tokens_per_s"],
+                 result["speedup_vs_plain"])
     tracking.log_artifact(out / "generations.jsonl")
     tracking.log_artifact(out / "metrics.json")
     if pte_sha256:
