@@ -56,7 +56,7 @@ Launch:
 - Split-K as in int4_gemm: fp32 partials, summed in split order by the last program of a column tile to arrive.
 Only on a Hopper GPU (TMA, wgmma, cp.async), group 128, N % 64 == 0, and not while a graph is being traced
 (`usable`); everything else takes kernels/int4_gemm.py, which the CPU tests run under the interpreter.
-Measured on the H200: bench/NOTES.md.
+Measured on the H200: docs/results.md.
 """
 
 from __future__ import annotations
