@@ -242,7 +242,7 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
 # ----------------------------------------------------------------------------- launch configuration
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, register cap per thread]) per (K, N, group), from the
-# tune on the H200 (bench/results/h200-int4-tune.json, "triton"; `python3 -m bench.kernels --tune` redoes it).
+# tune on the H200 (bench/results/h200-int4-tune.json, "triton"; `python -m bench.lab.kernel_tune` redoes it).
 # Other shapes: `default_config`.
 CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (4096, 4096, 128): (64, 256, 4, 4, 3, 96),

@@ -82,7 +82,7 @@ BLOCK_N = 64
 MAX_SPLIT = 16
 
 # (split, stages, registers[, one_launch_m]) per (K, N), tuned on the H200 (bench/results/h200-int4-tune.json,
-# "gluon"; `bench.kernels --tune` redoes it) for the shapes where this path beats kernels/int4_gemm.py (None: a
+# "gluon"; `python -m bench.lab.kernel_tune` redoes it) for the shapes where this path beats kernels/int4_gemm.py (None: a
 # shape where it does not); one_launch_m: x staged by the kernel itself (one launch) at M <= one_launch_m (<= 8),
 # by the prep kernel above. Other shapes: `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {

@@ -7,8 +7,6 @@ naming the install command, where llama_cpp is not installed."""
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
 from models import TargetConfig, Transformer  # noqa: E402
 from models import gguf as mg  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is run as `python -m bench.peers`
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
