@@ -37,11 +37,11 @@ config's `draft.draft_vocab_size`. Three parts; the JSON says which numbers are 
 3. The choice (a model, not a measurement). Per-position acceptance alpha_i (i = 0..6: position i accepted
    given positions < i were) measured at the CURRENT Vd: from `--acceptance FILE[#SECTION]` (a sweep result:
    tau(K) per K, alpha_k = (tau(k+1) - tau(k)) / (tau(k) - tau(k-1)), tau(0) = 1; or a draft manifest's
-   `predicted_acceptance_pos_i`, the inputs of runner.generate.predicted_tau), else the preset's draft
+   `predicted_acceptance_pos_i`, the inputs of models.draft.predicted_tau), else the preset's draft
    artifact in the store, else the acceptance the last run recorded in `--json` (its
    model.acceptance, which names the sweep it was read from). Then for every Vd and K in 1..7:
        alpha_i(Vd) = min(1, alpha_i(current) * heldout_coverage(Vd) / heldout_coverage(current))
-       tau(K, Vd)  = runner.generate.predicted_tau(alpha(Vd)[:K])   (tokens per round)
+       tau(K, Vd)  = models.draft.predicted_tau(alpha(Vd)[:K])   (tokens per round)
        speedup     = tau(K, Vd) / (verify(K+1) + K * draft_step(Vd))   (costs in units of the real decode step;
                                                                         the baseline emits 1 token per step)
    The scaling assumes the draft is as accurate on the tokens a larger map adds as on those it already has:
@@ -71,12 +71,12 @@ from pathlib import Path
 
 import torch
 
-from runner import quiet
+from models import quiet
 
 quiet.install()
 
 from pipeline import train_draft as td  # noqa: E402
-from runner.generate import predicted_tau  # noqa: E402
+from models.draft import predicted_tau  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,7 +119,7 @@ def vd_list(spec: str, vocab_size: int, current: int) -> list[int]:
 def acceptance_from_taus(taus: dict) -> list[float]:
     """Per-position acceptance alpha_0..alpha_{n-1} from measured tau(K), K = 1..n (contiguous from 1).
 
-    tau(K) = 1 + sum_{k<K} d_k with d_k = prod_{i<=k} alpha_i (runner.generate.predicted_tau): d_k =
+    tau(K) = 1 + sum_{k<K} d_k with d_k = prod_{i<=k} alpha_i (models.draft.predicted_tau): d_k =
     tau(k+1) - tau(k) (tau(0) = 1) and alpha_k = d_k / d_{k-1} (d_{-1} = 1). Measured taus come from separate
     runs and are noisy, so d_k is clipped to [0, d_{k-1}] (the chance of accepting more than k proposals cannot
     grow with k); alpha_k = 0 once d_{k-1} = 0. Without clipping, predicted_tau(alpha[:K]) == tau(K)."""
@@ -544,7 +544,7 @@ def main(argv=None) -> int:
         "real_target_costs": dict(real, **{"measured_here": "real" in measured}),
         "model": {
             "what": "alpha_i(Vd) = min(1, alpha_i(current Vd) * held_out_coverage(Vd) / held_out_coverage(current Vd)); "
-                    "tau(K) = runner.generate.predicted_tau(alpha(Vd)[:K]); speedup(K) = tau(K) / (verify(K+1)/decode "
+                    "tau(K) = models.draft.predicted_tau(alpha(Vd)[:K]); speedup(K) = tau(K) / (verify(K+1)/decode "
                     "+ K * draft_step(Vd)/decode), decode = the REAL target's decode step. The scaling assumes the draft "
                     "is as accurate on tokens a larger map adds as on those it has: an upper bound above the current "
                     "Vd, pessimistic below it; it ignores that a draft trained with another Vd learns differently. "

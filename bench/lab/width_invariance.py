@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    from runner import quiet  # first: its filters are installed before torchao is imported
+    from models import quiet  # first: its filters are installed before torchao is imported
 
     from models.gguf import package_gguf, read_gguf
     from pipeline.export_pte import export_pte, quantize_int4
