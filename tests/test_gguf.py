@@ -31,7 +31,7 @@ from models import load_target  # noqa: E402
 from models import gguf as mg  # noqa: E402
 from models import text as mt  # noqa: E402
 from models.quiet import quiet_transformers  # noqa: E402
-from models.hf import SUPPORTED_MODEL_TYPES, rope_settings  # noqa: E402
+from models.hf import rope_settings  # noqa: E402
 from pipeline.app import CONF_DIR, Job, plan_keys  # noqa: E402
 from pipeline.hardware import resolve  # noqa: E402
 from pipeline.validate import ConfigError, check_config  # noqa: E402
@@ -286,11 +286,6 @@ def transformers_model(path: Path):
     return model
 
 
-def needs(arch: str) -> None:
-    if arch == "gemma3" and "gemma3_text" not in SUPPORTED_MODEL_TYPES:
-        pytest.skip("models/hf.py does not load gemma3_text yet (Gemma 3 support has not landed)")
-
-
 @torch.no_grad()
 def greedy(ours, prompt: torch.Tensor, n: int) -> list[int]:
     ours.reset_cache()
@@ -311,7 +306,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @torch.no_grad()
 def test_gguf_target_computes_what_transformers_computes(files, tmp_path, arch):
-    needs(arch)
     path, source, _ = files[arch]
     art, _ = run_target(tmp_path, f"target.path={path}")
     assert {"tokenizer.json", "config.json", "model.safetensors"} <= set(art.manifest["files"])
@@ -354,7 +348,6 @@ def test_tokenizer_and_chat_template_survive(files, tmp_path, arch):
 
 def test_a_sentencepiece_vocabulary_tokenizes_as_llama_cpp_does(files, tmp_path):
     """Gemma's vocabulary: transformers' Unigram rebuild would pick other pieces; ours merges as llama.cpp."""
-    needs("gemma3")
     art, _ = run_target(tmp_path, f"target.path={files['gemma3'][0]}")
     tok = Tokenizer.from_file(str(art.path / "tokenizer.json"))
     meta = spm_metadata()
@@ -528,8 +521,6 @@ def test_real_gguf_matches_transformers(package, tmp_path):
         mg.check_package(package)
     except mg.GGUFError as e:
         pytest.skip(str(e))
-    if package.startswith("gemma3"):
-        needs("gemma3")
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # a 135M-268M model: every core helps
     try:
