@@ -81,7 +81,6 @@ def pte_sha256(outputs: Path) -> str:
 
 
 def check(outputs: Path, reference_sha: str, last: dict) -> dict[str, tuple[bool, str]]:
-    sys.path.insert(0, str(ROOT))
     from pipeline import tracking
 
     checks = {}

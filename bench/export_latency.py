@@ -1,9 +1,9 @@
 """Benchmark: export time, .pte size and per-call latency of the exported methods, per backend and quant.
 
-    python bench/export_latency.py --store                 # every model.pte in outputs/store/export/
-    python bench/export_latency.py --pte a.pte b.pte       # given files
-    python bench/export_latency.py --row-tile              # XNNPACK's GEMM row tile: a linear chain at M=1..16
-    python bench/export_latency.py --random xnnpack:none xnnpack:int4 portable:none xnnpack:none:index_copy
+    python -m bench.export_latency --store                 # every model.pte in outputs/store/export/
+    python -m bench.export_latency --pte a.pte b.pte       # given files
+    python -m bench.export_latency --row-tile              # XNNPACK's GEMM row tile: a linear chain at M=1..16
+    python -m bench.export_latency --random xnnpack:none xnnpack:int4 portable:none xnnpack:none:index_copy
                                                           # export a RANDOM model of the embedded default's
                                                           # size first (conf/target/tiny.yaml), timing it;
                                                           # a third field picks the attention (kv_impl:
@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def default_sized_speculator():

@@ -247,7 +247,7 @@ def fan_out(server: Server, n: int, clients: int, work, on_answer=None) -> tuple
 
 
 def throughput(args, engine, tokenizer, server: Server) -> dict:
-    from runner.text import stop_ids
+    from models.text import stop_ids
 
     meta = engine.meta
     max_k = meta["max_m"] - 1
@@ -385,7 +385,7 @@ def drive(server: Server, requests: list[dict], prompts, refs: dict, clients: in
 
 
 def load(args, engine, tokenizer, pte: Path, tok_path: Path) -> dict:
-    from runner.text import stop_ids
+    from models.text import stop_ids
 
     meta = engine.meta
     rng = random.Random(args.seed)

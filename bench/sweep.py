@@ -1,7 +1,7 @@
 """Benchmark: the chain-length sweep on the embedded default, as a table of K, tau, tokens/s and speedup.
 
-    python bench/sweep.py                           # K = 1..7 on the default pipeline (stages from the store)
-    python bench/sweep.py --chains 2,4 -- +experiment=smoke export=portable   # anything after -- goes to Hydra
+    python -m bench.sweep                           # K = 1..7 on the default pipeline (stages from the store)
+    python -m bench.sweep --chains 2,4 -- +experiment=smoke export=portable   # anything after -- goes to Hydra
 
 Runs `python -m pipeline -m runtime.chain=...` (Hydra's basic launcher: one job at a time, so the jobs do not
 share the cores they are timed on), reads each job's metrics.json and prints the table with the per-round

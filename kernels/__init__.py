@@ -17,5 +17,5 @@
 All ops are `torch.library.triton_op`s (eagle3::int4_mm, eagle3::sdpa_midm, eagle3::rms_norm,
 eagle3::rope, eagle3::swiglu) with fake implementations, so they trace into torch.export graphs.
 This package imports nothing itself, so `import kernels.rule` loads neither torch nor triton.
-Benchmarks and notes: bench/kernels.py, bench/NOTES.md.
+Benchmarks and notes: bench/kernels.py, docs/results.md.
 """

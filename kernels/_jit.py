@@ -50,7 +50,7 @@ def pdl_capable(device) -> bool:
 # Per CUDA stream: whether our last launch on it lets the next kernel launch early (griddepcontrol.
 # launch_dependents at its start). A kernel that may start a call is launched as a programmatic dependent only
 # then: after a kernel that does not trigger, that costs time instead of saving it (0.7-2.6 us a call on the
-# H200, bench/NOTES.md). Kernels launched by others (torch's) are not seen: a caller that runs them
+# H200, docs/results.md). Kernels launched by others (torch's) are not seen: a caller that runs them
 # between two of ours says so with note_launch(device, False).
 _TRIGGERS: dict[int, bool] = {}
 

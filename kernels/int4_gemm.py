@@ -26,7 +26,7 @@ writes an fp32 partial; the last program of a column tile to arrive (kernels/int
 sums the partials in split order and writes the output, so the result is deterministic.
 On the GPU the GEMM is launched with programmatic dependent launch (`int4_launch.USE_PDL`): its programs
 start while the prep kernel finishes and wait (griddepcontrol.wait) before the first read of its output.
-Measured on the H200: bench/NOTES.md.
+Measured on the H200: docs/results.md.
 
 On a Hopper GPU `int4_mm` hands the shapes kernels/int4_gluon.py is tuned for (and large untuned ones) to that
 kernel, the same arithmetic warp-specialised in Gluon. The import goes one way: what both kernels need at
@@ -162,7 +162,7 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
 
     # A group's scale, zero and X are plain loads, and under the weight stream they return only after the
     # weight tiles already in flight: loaded in the group that uses them, they would be the kernel's largest
-    # stall (Nsight Compute, bench/NOTES.md). So the first two groups of each k-tile get theirs a whole k-tile
+    # stall (Nsight Compute, docs/results.md). So the first two groups of each k-tile get theirs a whole k-tile
     # ahead: each slot is reloaded, for the next k-tile, after its last use, and holds the loaded 32-bit
     # words untouched until then (a conversion or a register copy at the back-edge would wait for the load).
     # sz_ptr is scale_zero read as int32: a column's (scale, zero) pair is one word, scale in the low half.
@@ -242,7 +242,7 @@ def _int4_mm_kernel(xp_ptr, xs_ptr, w_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
 # ----------------------------------------------------------------------------- launch configuration
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, register cap per thread]) per (K, N, group), from the
-# tune on the H200 (bench/results/h200-int4-tune.json, "triton"; `python3 -m bench.kernels --tune` redoes it).
+# tune on the H200 (bench/results/h200-int4-tune.json, "triton"; `python -m bench.lab.kernel_tune` redoes it).
 # Other shapes: `default_config`.
 CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (4096, 4096, 128): (64, 256, 4, 4, 3, 96),

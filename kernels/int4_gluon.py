@@ -56,7 +56,7 @@ Launch:
 - Split-K as in int4_gemm: fp32 partials, summed in split order by the last program of a column tile to arrive.
 Only on a Hopper GPU (TMA, wgmma, cp.async), group 128, N % 64 == 0, and not while a graph is being traced
 (`usable`); everything else takes kernels/int4_gemm.py, which the CPU tests run under the interpreter.
-Measured on the H200: bench/NOTES.md.
+Measured on the H200: docs/results.md.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ BLOCK_N = 64
 MAX_SPLIT = 16
 
 # (split, stages, registers[, one_launch_m]) per (K, N), tuned on the H200 (bench/results/h200-int4-tune.json,
-# "gluon"; `bench.kernels --tune` redoes it) for the shapes where this path beats kernels/int4_gemm.py (None: a
+# "gluon"; `python -m bench.lab.kernel_tune` redoes it) for the shapes where this path beats kernels/int4_gemm.py (None: a
 # shape where it does not); one_launch_m: x staged by the kernel itself (one launch) at M <= one_launch_m (<= 8),
 # by the prep kernel above. Other shapes: `pick`.
 CONFIGS: dict[tuple[int, int], tuple | None] = {

@@ -6,7 +6,7 @@ kernels (float, pow, mean, add, rsqrt, mul, cast + the weight product) and RoPE 
 casts, two products, neg, cat and an add per tensor): 28 of the ~93 launches per layer, all replaced here
 by 4. The SwiGLU product `silu(gate) * up` is 2 more (silu, mul); as one launch that lets the next kernel
 start at its own start, it also lets the down projection's GEMM begin during it (kernels._jit). Measured on the
-H200: bench/NOTES.md.
+H200: docs/results.md.
 
 Equality: every rounding torch does in bf16 is repeated. RoPE rounds cos/sin to x's dtype, then x * cos and
 rotate_half(x) * sin each to bf16, then their sum (compiled without FMA contraction, `enable_fp_fusion`

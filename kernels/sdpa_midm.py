@@ -150,7 +150,7 @@ def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_
 
 # ----------------------------------------------------------------------------- launch
 
-# Launch configuration, tuned on the H200 (bench/results/h200-sdpa-tune.json; `bench.kernels --tune --tune-sdpa`
+# Launch configuration, tuned on the H200 (bench/results/h200-sdpa-tune.json; `python -m bench.lab.kernel_tune --sdpa`
 # redoes it).
 CONFIG = dict(block_n=64, warps=4, stages=3, programs_per_sm=2, min_tiles_per_split=4)
 USE_PDL = True  # programmatic dependent launch of the reduce kernel (GPU only)

@@ -183,7 +183,7 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
                norm_rope: bool = True) -> nn.Module:
     """In place: linears -> Int4Linear, attention -> sdpa_midm for T <= max_m. Returns the model.
     fuse=True: q/k/v and gate/up each become one GEMM over concatenated weights (SharedInputInt4), as
-    vLLM's QKV and gate|up layers do (fewer, larger launches: faster at T <= max_m, bench/NOTES.md).
+    vLLM's QKV and gate|up layers do (fewer, larger launches: faster at T <= max_m, docs/results.md).
     norm_rope=True: RMSNorm, RoPE and the SwiGLU product as one launch each (kernels.norm_rope)."""
     check_max_m(max_m)
     windows = {}

@@ -1,26 +1,30 @@
-"""Target transformer, EAGLE-3 draft head, the Speculator that defines the exported methods, checkpoints.
+"""Target transformer, EAGLE-3 draft head, the Speculator that defines the exported methods, checkpoints; and the
+facts every layer shares: a target's text (models.text) and the muting of third-party noise (models.quiet).
 
-No Hydra and no pipeline code here: these are the modules every stage, the exporter and the runner share.
+No Hydra and no pipeline code here: these are the modules every stage, the exporter and the runner share. The
+package itself imports nothing: each name below loads its module on first use, so `import models.quiet` or
+`import models.text` (which `import runner` and `import pipeline` do) costs no torch import.
 """
 
-from models.checkpoint import (
-    load_speculators,
-    load_target,
-    read_safetensors_dir,
-    save_speculators,
-    save_target,
-    validate_draft,
-)
-from models.config import TINY, DraftConfig, TargetConfig, check_taps, default_taps
-from models.draft import Eagle3Draft
-from models.hf import load_hf_target
-from models.speculator import Speculator
-from models.target import Transformer
-from models.tiny import draft_config_for, tiny_draft, tiny_target
+import importlib
 
-__all__ = [
-    "TINY", "DraftConfig", "TargetConfig", "Transformer", "Eagle3Draft", "Speculator",
-    "tiny_target", "tiny_draft", "draft_config_for", "load_hf_target", "save_target", "load_target",
-    "load_speculators", "save_speculators", "validate_draft", "read_safetensors_dir", "check_taps",
-    "default_taps",
-]
+_HOMES = {
+    "load_speculators": "models.checkpoint", "load_target": "models.checkpoint",
+    "read_safetensors_dir": "models.checkpoint", "save_speculators": "models.checkpoint",
+    "save_target": "models.checkpoint", "validate_draft": "models.checkpoint",
+    "TINY": "models.config", "DraftConfig": "models.config", "TargetConfig": "models.config",
+    "check_taps": "models.config", "default_taps": "models.config",
+    "Eagle3Draft": "models.draft", "load_hf_target": "models.hf", "Speculator": "models.speculator",
+    "Transformer": "models.target", "draft_config_for": "models.tiny", "tiny_draft": "models.tiny",
+    "tiny_target": "models.tiny",
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value

@@ -20,6 +20,8 @@ Paths:
   `check_gaps` is False).
 - `forward(tokens, feature)` (input_pos None): stateless causal recompute, any batch.
 - `forward_ttt(...)`: stateless training-time-test step (see its docstring).
+
+`predicted_tau` turns the draft's per-position acceptance into expected tokens per round.
 """
 
 from __future__ import annotations
@@ -29,6 +31,24 @@ from torch import nn
 
 from models.config import DraftConfig
 from models.layers import MLP, Attention, RMSNorm, Rope, attention_mask, cached_mask, is_tracing, start_position
+
+
+def predicted_tau(acceptance) -> float:
+    """Expected tokens per round of a chain of len(acceptance) proposals: 1 + sum_k prod_{i<=k} alpha_i.
+
+    alpha_i = acceptance[i] is the probability that proposal i is accepted given that proposals 0..i-1
+    were (the eval's `acceptance_pos_<i>`); the 1 is the token verify adds itself (correction or bonus).
+    With these conditional rates the sum is exact, not an independence approximation: prod_{i<=k} alpha_i
+    is the probability that the round accepts more than k proposals.
+
+    It lives beside the draft because it is a fact of the draft's acceptance, read by both sides of the
+    pipeline/runner line: the draft stage predicts tau from held-out taps with it, and the adaptive chain
+    policy (runner.policy) ranks K with it. Here both import it downward."""
+    total, survive = 1.0, 1.0
+    for alpha in acceptance:
+        survive *= alpha
+        total += survive
+    return total
 
 
 class Eagle3Layer(nn.Module):

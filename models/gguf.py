@@ -44,7 +44,6 @@ silenced while it runs (`quiet_transformers`): they describe transformers' inter
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -59,7 +58,6 @@ import struct
 import sys
 import tempfile
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +65,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runner.quiet import native_stderr
+from models.quiet import native_stderr, quiet_transformers
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +82,6 @@ SUPPORTED_ARCHITECTURES = {"llama": "Llama, Mistral, SmolLM", "qwen2": "Qwen2", 
 TOKENIZER_MODELS = {"llama": ("llama", "gpt2"), "qwen2": ("gpt2",), "qwen3": ("gpt2",), "gemma3": ("llama",)}
 # general.architecture -> the model type naming its converter in transformers' GGUF_TO_FAST_CONVERTERS
 TOKENIZER_CONVERTERS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
-CHAT_TEMPLATE = "chat_template.jinja"
 LOGIT_TOLERANCE = 1e-3  # |ours - transformers| / |transformers| over the check sequence, both float32
 CHECK_TOKENS = 16
 VOCAB_HOLES = re.compile(r"^The OrderedVocab you are attempting to save contains holes")
@@ -298,51 +295,6 @@ def inspect_gguf(path) -> GGUFInfo:
     )
 
 
-# --- transformers, quietly ----------------------------------------------------------------------------
-@contextlib.contextmanager
-def _quiet_logger(name: str, level: int = logging.ERROR):
-    logger = logging.getLogger(name)
-    saved = logger.level
-    logger.setLevel(level)
-    try:
-        yield
-    finally:
-        logger.setLevel(saved)
-
-
-@contextlib.contextmanager
-def quiet_transformers(progress: bool = True, desc: str = "target: dequantise"):
-    """transformers' logging at ERROR, its progress bars off and Python warnings dropped inside the block
-    (each restored after); its GGUF dequantisation loop shows our tqdm bar instead of its own (none when
-    `progress` is false)."""
-    from tqdm import tqdm
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    saved_tqdm = getattr(gguf_utils, "tqdm", None)
-
-    def bar(iterable=None, *args, **kwargs):
-        return tqdm(iterable, desc=desc, unit="tensor", mininterval=1.0, dynamic_ncols=True, leave=False,
-                    disable=not progress)
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if saved_tqdm is not None:
-        gguf_utils.tqdm = bar
-    try:
-        with warnings.catch_warnings(), _quiet_logger("gguf"):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        if saved_tqdm is not None:
-            gguf_utils.tqdm = saved_tqdm
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 # --- tokenizer ----------------------------------------------------------------------------------------
 def rebuild_tokenizer(info: GGUFInfo):
     """-> (tokenizers.Tokenizer, chat template or None) of the file, rebuilt by transformers' GGUF converter
@@ -553,41 +505,6 @@ def logit_rel_error(ours, hf_model, vocab_size: int, n: int = CHECK_TOKENS) -> f
     return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-# --- chat templates -----------------------------------------------------------------------------------
-def write_chat_template(out, template: str | None) -> bool:
-    """Write `template` as CHAT_TEMPLATE in the target artifact `out`; nothing when there is none."""
-    if not template:
-        return False
-    (Path(out) / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
-    return True
-
-
-def load_chat_template(target_dir) -> str | None:
-    """The chat template of a target artifact (a Jinja template as transformers renders it), or None."""
-    path = Path(target_dir) / CHAT_TEMPLATE
-    return path.read_text(encoding="utf-8") if path.is_file() else None
-
-
-def hf_chat_template(checkpoint_dir) -> str | None:
-    """The chat template of a Hugging Face checkpoint directory: its chat_template.jinja (what
-    transformers >= 4.43 saves), else tokenizer_config.json's chat_template (a string, or a list of named
-    templates of which "default" is the one transformers applies), else None."""
-    d = Path(checkpoint_dir)
-    if (d / CHAT_TEMPLATE).is_file():
-        return (d / CHAT_TEMPLATE).read_text(encoding="utf-8")
-    cfg_file = d / "tokenizer_config.json"
-    if not cfg_file.is_file():
-        return None
-    try:
-        template = json.loads(cfg_file.read_text(encoding="utf-8")).get("chat_template")
-    except (ValueError, AttributeError) as e:
-        raise ValueError(f"{cfg_file}: not a JSON object ({e})") from None
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) and template else None
-
-
 # --- GGUF files from installed packages ---------------------------------------------------------------
 @dataclass(frozen=True)
 class GGUFPackage:
@@ -705,139 +622,3 @@ def package_gguf(name: str, cache_dir) -> Path:
     log.info("gguf: assembled %s (%.0f MB, %.1f s)", final.name, final.stat().st_size / 1e6,
              time.perf_counter() - t0)
     return final
-
-
-# --- the reverse direction: our Llama-family target as a GGUF file -------------------------------------
-GGUF_WRITE_TYPES = ("f32", "f16", "q8_0", "q4_0")  # the matrices' type; norms stay f32 whatever is asked
-
-
-def llama_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Q or K rows from the rotate-half layout (ours and Hugging Face's) to the interleaved one llama.cpp's
-    llama architecture expects (its convert_hf_to_gguf permute); transformers' GGUF reader applies the
-    inverse (`_reverse_permute_weights`), so a file written with this reads back as the same weights."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _refuse_non_llama(cfg) -> None:
-    odd = {"qkv_bias": cfg.qkv_bias, "o_bias": cfg.o_bias, "qk_norm": cfg.qk_norm,
-           "sliding_window": cfg.sliding_window, "rope_scaling": cfg.rope_scaling,
-           "logit_softcap": cfg.logit_softcap, "attn_logit_softcap": cfg.attn_logit_softcap,
-           "attn_scale": cfg.attn_scale, "rope_local_theta": cfg.rope_local_theta,
-           "norm_unit_offset": cfg.norm_unit_offset, "output_norms": cfg.output_norms}
-    odd = {k: v for k, v in odd.items() if v}
-    if cfg.hidden_act != "silu":
-        odd["hidden_act"] = cfg.hidden_act
-    if cfg.partial_rotary_factor != 1.0:
-        odd["partial_rotary_factor"] = cfg.partial_rotary_factor
-    if cfg.embed_scale != 1.0:
-        odd["embed_scale"] = cfg.embed_scale
-    if odd:
-        raise GGUFError(f"write_gguf writes the plain llama architecture (RMSNorm, RoPE, GQA, SwiGLU); this "
-                        f"target sets {odd}")
-
-
-def write_gguf(model, tokenizer, path, *, dtype: str = "f32", name: str = "eagle3-target") -> Path:
-    """Write our Llama-family `model` (models.Transformer) and its byte-level BPE `tokenizer`
-    (tokenizers.Tokenizer) as a GGUF of architecture "llama" that llama.cpp runs and transformers reads.
-
-    Invariant: transformers' GGUF reader gives back our tensors (exactly for f32; Q/K rows un-permuted by
-    it, see `llama_permute`), so llama.cpp computes our model up to its kernels' rounding and the matrices'
-    `dtype` (GGUF_WRITE_TYPES). The vocabulary is written as tokenizer.ggml.model "gpt2" (tokens in id
-    order, merges, added special tokens as control tokens, ids past the tokenizer's up to the embedding's
-    rows as unused padding); add_bos_token is false, since our prompts carry no BOS."""
-    from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
-    from gguf.quants import quantize
-
-    if dtype not in GGUF_WRITE_TYPES:
-        raise GGUFError(f"write_gguf dtype={dtype!r}: expected one of {GGUF_WRITE_TYPES}")
-    cfg = model.cfg
-    _refuse_non_llama(cfg)
-    tok = json.loads(tokenizer.to_str())
-    if (tok.get("model") or {}).get("type") != "BPE":
-        raise GGUFError(f"write_gguf needs a BPE tokenizer, got {(tok.get('model') or {}).get('type')!r}")
-    vocab = tok["model"]["vocab"]
-    n_tok = max(vocab.values()) + 1
-    for t in tok.get("added_tokens") or []:
-        n_tok = max(n_tok, t["id"] + 1)
-    if n_tok > cfg.vocab_size:
-        raise GGUFError(f"the tokenizer has {n_tok} ids, more than the model's {cfg.vocab_size} embedding rows")
-    tokens = [f"[PAD{i}]" for i in range(cfg.vocab_size)]
-    types = [TokenType.UNUSED] * cfg.vocab_size
-    for text, i in vocab.items():
-        tokens[i], types[i] = text, TokenType.NORMAL
-    for t in tok.get("added_tokens") or []:
-        tokens[t["id"]] = t["content"]
-        types[t["id"]] = TokenType.CONTROL if t.get("special") else TokenType.USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges") or []]
-
-    qtype = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
-             "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}[dtype]
-    ftype = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
-             "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0}[dtype]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    w = GGUFWriter(tmp, "llama")
-    w.add_name(name)
-    w.add_context_length(cfg.max_seq_len)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.n_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(ftype)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    from runner.text import eos_id
-
-    eos = eos_id(tokenizer)
-    if eos is not None:
-        w.add_eos_token_id(eos)
-        w.add_bos_token_id(eos)  # llama.cpp wants one; never added (add_bos_token false)
-    w.add_add_bos_token(False)
-
-    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-
-    def add(gguf_name: str, t: torch.Tensor) -> None:
-        a = t.numpy().astype(np.float32)
-        if a.ndim == 1 or qtype == GGMLQuantizationType.F32:
-            w.add_tensor(gguf_name, a)
-        elif qtype == GGMLQuantizationType.F16:
-            w.add_tensor(gguf_name, a.astype(np.float16))
-        else:
-            w.add_tensor(gguf_name, quantize(a, qtype), raw_dtype=qtype)
-
-    add("token_embd.weight", state["embed_tokens.weight"])
-    for i in range(cfg.n_layers):
-        p, b = f"layers.{i}.", f"blk.{i}."
-        add(b + "attn_norm.weight", state[p + "input_layernorm.weight"])
-        add(b + "attn_q.weight", llama_permute(state[p + "self_attn.q_proj.weight"], cfg.n_heads))
-        add(b + "attn_k.weight", llama_permute(state[p + "self_attn.k_proj.weight"], cfg.n_kv_heads))
-        add(b + "attn_v.weight", state[p + "self_attn.v_proj.weight"])
-        add(b + "attn_output.weight", state[p + "self_attn.o_proj.weight"])
-        add(b + "ffn_norm.weight", state[p + "post_attention_layernorm.weight"])
-        add(b + "ffn_gate.weight", state[p + "mlp.gate_proj.weight"])
-        add(b + "ffn_up.weight", state[p + "mlp.up_proj.weight"])
-        add(b + "ffn_down.weight", state[p + "mlp.down_proj.weight"])
-    add("output_norm.weight", state["norm.weight"])
-    if not cfg.tie_embeddings:  # without output.weight llama.cpp (and transformers) tie it to token_embd
-        add("output.weight", state["lm_head.weight"])
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path

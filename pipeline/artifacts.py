@@ -4,7 +4,7 @@ A stage reads an upstream artifact only through this module or models/ (`models.
 target, `models.load_speculators` for the draft), never through another stage's module, so a stage's
 internals can change without breaking its consumers.
 
-- target: read with `models.load_target`, and its chat template (if any) with `models.gguf.load_chat_template`;
+- target: read with `models.load_target`, and its chat template (if any) with `models.text.load_chat_template`;
 - taps: `taps.json` (the layout: source, per-split sequence and prompt lengths, tap layers, hidden and
   vocab size, dtype, end token ids, shard files per split) and safetensors shards holding TAPS_FIELDS;
 - export: the program file PTE.

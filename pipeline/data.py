@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runner.text import EOS_TOKENS, eos_id
+from models.text import EOS_TOKENS, eos_id
 
 log = logging.getLogger(__name__)
 

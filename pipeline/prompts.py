@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from runner.text import render_chat
+from models.text import render_chat
 
 PROMPT_FORMATS = ("plain", "chat")
 _SLOT = "\x00REQUEST\x00"

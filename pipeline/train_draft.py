@@ -44,7 +44,7 @@ import torch
 
 from models import Eagle3Draft
 from pipeline.schedule import warmup_cosine
-from runner.generate import predicted_tau
+from models.draft import predicted_tau
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -281,7 +281,7 @@ def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, batch: Batch, hea
 def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, device,
              used: torch.Tensor | None = None, batch_size: int | None = None, autocast: str | None = None) -> dict:
     """Held-out metrics over all rows of `data`: loss_i, acc_i, predicted_acceptance_pos_i and predicted_tau
-    (runner.generate.predicted_tau of the per-position acceptance a chain of N would see on these taps).
+    (models.draft.predicted_tau of the per-position acceptance a chain of N would see on these taps).
 
     `autocast` None evaluates in float32, as the exported draft runs (training-time evals pass c.autocast).
     """

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.text import read_prompt_file
+from models.text import read_prompt_file
 
 log = logging.getLogger(__name__)
 PROMPTS_TOO_LONG = ("error", "skip")

@@ -1,6 +1,7 @@
-"""The runtime: the speculative loop (runner.generate) over an Engine (runner.engine: the .pte, or the eager
-modules), and the text around it (runner.text). The package itself imports no torch."""
+"""The runtime: the speculative loop (runner.generate) over an Engine (runner.engine: the .pte, the eager
+modules, or CUDA graphs), its chain policies (runner.policy) and the server (runner.serve); the text facts it
+reads (stop tokens, chat templates, prompt files) are models.text. The package itself imports no torch."""
 
-from runner import quiet
+from models import quiet
 
 quiet.install()

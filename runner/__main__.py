@@ -18,9 +18,10 @@ import logging
 import sys
 from pathlib import Path
 
+from models.text import read_prompt_file, stop_ids
 from runner.engine import ExactEngine, PteEngine
 from runner.generate import generate
-from runner.text import read_prompt_file, stop_ids
+from runner.policy import POLICIES
 
 
 def report(res, tokenizer) -> str:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--prompt-file", type=Path, help="one prompt per line, or .jsonl with a 'prompt' field")
     p.add_argument("--chain", type=int, default=None, help="K in [1, max_m-1]; 0 = greedy baseline; "
                    "default: the .pte's get_chain_len")
-    p.add_argument("--policy", choices=("static", "adaptive"), default="static")
+    p.add_argument("--policy", choices=POLICIES, default="static")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)

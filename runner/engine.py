@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch
 
-from runner import quiet
+from models import quiet
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"  # the store's (pipeline/store.py): {"files": {relative path: sha256}, ...}

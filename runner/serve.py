@@ -72,13 +72,13 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                disable_created_metrics, generate_latest)
 from starlette.exceptions import HTTPException
 
+from models.text import render_chat, stop_ids
 from runner.generate import GenerationResult, generate
-from runner.text import render_chat, stop_ids
+from runner.policy import POLICIES
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "EAGLE3_API_KEY"
-POLICIES = ("static", "adaptive")
 MAX_STOPS = 4  # OpenAI's limit on `stop`
 SWITCH_INTERVAL_S = 5e-4  # the server process's GIL switch interval (run_server)
 # Fields of OpenAI's API this server does not implement: refused unless they hold one of their neutral values.
@@ -101,7 +101,7 @@ class Settings:
     policy: str = "static"
     temperature: float = 0.0
     seed: int = 0
-    stop: tuple = ()  # stop tokens besides the tokenizer's end tokens (runner.text.stop_ids)
+    stop: tuple = ()  # stop tokens besides the tokenizer's end tokens (models.text.stop_ids)
     api_key: str | None = None
     queue_size: int = 16  # requests waiting behind the one decoding
     max_body_bytes: int = 1 << 20
@@ -781,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenizers import Tokenizer
 
-    from models.gguf import load_chat_template
+    from models.text import load_chat_template
 
     if args.engine == "pte":
         if args.pte is None:

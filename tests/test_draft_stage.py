@@ -9,7 +9,7 @@ from pipeline import tracking
 from pipeline.stages import draft as draft_stage
 from pipeline.stages import taps
 from pipeline.store import Store
-from runner.generate import predicted_tau
+from models.draft import predicted_tau
 
 CODE = "".join(f"class C{i}:\n    def get(self, x):\n        return self.v{i % 5} + x\n\n" for i in range(200))
 V = 300

@@ -1,18 +1,13 @@
-"""bench/draft_vocab.py's pure parts: coverage of the draft vocabulary on the train and held-out splits, the
+"""bench/lab/draft_vocab.py's pure parts: coverage of the draft vocabulary on the train and held-out splits, the
 acceptance read from measured taus, and the predicted-speedup model, each against numbers computed by hand
 from random inputs (no export, no timing)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is run as a script
-
-from bench import draft_vocab as dv  # noqa: E402
+from bench.lab import draft_vocab as dv
 
 
 def random_split(V, n, g, weights):
@@ -116,3 +111,13 @@ def test_near_best_lists_the_sizes_within_the_tolerance():
     rows = [{"vd": 1, "best_speedup": 2.0}, {"vd": 2, "best_speedup": 1.985}, {"vd": 3, "best_speedup": 1.97}]
     assert dv.near_best(rows, 0.01) == [1, 2]
     assert dv.near_best(rows, 0.02) == [1, 2, 3]
+
+
+def test_without_a_draft_artifact_the_acceptance_is_the_one_its_result_file_records(tmp_path):
+    results = dv.RESULTS / "cpu-draft-vocab.json"
+    plan = {"store": tmp_path, "keys": {"draft": "absent"}}
+    for target in ("tiny", "smollm2_135m"):
+        acc = dv.find_acceptance(plan, target, None, results)
+        assert len(acc["alpha"]) == max(dv.KS) and "cpu-draft-vocab.json" in acc["source"], target
+    with pytest.raises(SystemExit, match="pass --acceptance"):
+        dv.find_acceptance(plan, "gemma3_270m", None, results)

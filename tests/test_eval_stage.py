@@ -59,7 +59,7 @@ def test_first_difference():
 
 
 def test_prompt_files_and_stop_tokens(tmp_path):
-    from runner.text import eos_id, read_prompt_file, stop_ids
+    from models.text import eos_id, read_prompt_file, stop_ids
     from pipeline import data
 
     (tmp_path / "p.txt").write_text("def f(x):\n\nclass A:\n")

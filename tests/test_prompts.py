@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pipeline import data, prompts
-from runner.text import end_ids, eos_id
+from models.text import end_ids, eos_id
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

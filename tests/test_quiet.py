@@ -14,7 +14,7 @@ def test_known_third_party_messages_are_dropped_and_others_kept():
 
 
 def test_native_stderr_drops_only_the_known_lines():
-    code = ("import os, warnings; from runner import quiet\n"
+    code = ("import os, warnings, runner; from models import quiet\n"
             "with quiet.native_stderr():\n"
             "    os.write(2, b'[cpuinfo_utils.cpp:71] Reading file /sys/devices/soc0/image_version\\nkeep this line\\n')\n"
             "warnings.warn('`isinstance(treespec, LeafSpec)` is deprecated, use ...', FutureWarning)\n"

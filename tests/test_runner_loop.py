@@ -12,7 +12,8 @@ right position. Every method checks its T range like the exported program's (the
 import pytest
 import torch
 
-from runner.generate import AdaptiveChain, generate, prefill_windows
+from runner.generate import generate, prefill_windows
+from runner.policy import AdaptiveChain
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

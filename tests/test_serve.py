@@ -84,7 +84,7 @@ def prompts(n: int, seed: int) -> list[str]:
 def reference(engine, tok, prompt: str, max_tokens: int) -> str:
     """The text of the .pte's greedy continuation as the tokenizer decodes it after the prompt's last tokens."""
     from runner.generate import generate
-    from runner.text import stop_ids
+    from models.text import stop_ids
 
     ids = tok.encode(prompt, add_special_tokens=False).ids
     out = generate(engine, ids, chain=0, max_new_tokens=max_tokens, stop_ids=stop_ids(tok)).output_ids
@@ -159,7 +159,7 @@ def test_a_stream_carries_the_same_text_its_finish_reason_and_usage(client, seed
 
 
 def test_chat_uses_the_targets_template_and_is_the_same_at_every_k(client, artifact, seed):
-    from runner.text import render_chat
+    from models.text import render_chat
 
     system, user = prompts(2, seed)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]

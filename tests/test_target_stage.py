@@ -108,8 +108,8 @@ def test_hf_target_is_converted_to_our_format(tmp_path):
 
 
 def test_hf_target_keeps_the_chat_template(tmp_path):
-    """tokenizer_config.json's chat_template becomes the artifact's chat_template.jinja (models.gguf)."""
-    from models.gguf import load_chat_template
+    """tokenizer_config.json's chat_template becomes the artifact's chat_template.jinja (models.text)."""
+    from models.text import load_chat_template
     from pipeline import data
 
     tok = data.train_tokenizer(["def f(x):\n    return x * 2\n" * 50], vocab_size=300)

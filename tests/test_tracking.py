@@ -34,10 +34,35 @@ def test_flatten_and_numeric():
 
 
 def test_stage_logging_is_a_noop_outside_a_stage_and_when_off():
-    tracking.log_metrics({"loss": 1.0}, step=1)  # no active run: nothing happens, no error
-    with tracking.activate(tracking.NullTracker(), "some-run"):
+    """A stage's log calls reach the tracker only inside `activate` with tracking on and a run; a recording
+    tracker shows both that nothing leaks outside and that the same calls do arrive inside."""
+
+    class Recorder:
+        enabled = True
+
+        def __init__(self):
+            self.calls = []
+
+        def log_metrics(self, run_id, metrics, step=None):
+            self.calls.append(("metrics", run_id, dict(metrics), step))
+
+        def log_artifact(self, run_id, path, artifact_path=None):
+            self.calls.append(("artifact", run_id, str(path)))
+
+    rec = Recorder()
+    tracking.log_metrics({"loss": 1.0}, step=1)  # no active run
+    with tracking.activate(rec, None):  # a tracker but no run
+        tracking.log_metrics({"loss": 1.0}, step=1)
+    with tracking.activate(tracking.NullTracker(), "some-run"):  # tracking off
         tracking.log_metrics({"loss": 1.0}, step=1)
         tracking.log_artifact("/nonexistent")
+    assert rec.calls == [] and tracking._active is None
+    with tracking.activate(rec, "stage-run"):
+        tracking.log_metrics({"loss": 1.0, "note": "text"}, step=2)
+        tracking.log_artifact("/some/file")
+    assert tracking._active is None
+    assert rec.calls[0][:2] == ("metrics", "stage-run") and rec.calls[0][2] == {"loss": 1.0}
+    assert rec.calls[0][3] == 2 and rec.calls[1][:2] == ("artifact", "stage-run")
 
 
 def test_tracking_off_never_imports_mlflow(tmp_path):

@@ -5,7 +5,7 @@ import torch
 
 from models import tiny_draft, tiny_target
 from pipeline import train_draft as td
-from runner.generate import predicted_tau
+from models.draft import predicted_tau
 
 N = 3  # TTT steps in these tests
 

@@ -29,7 +29,7 @@ Both report, on the held-out taps, `held_out_acc_i` (i = 0..N-1: top-1 agreement
 target; the per-step training metrics are `loss`, `loss_i`, `acc_i`, `lr`) and the draft's prediction of
 what the eval measures at K = N: `predicted_acceptance_pos_i` (acceptance at position i given position i is
 reached, from the leading run of agreeing steps, which on greedy taps is exactly what a chain of N started
-at that slot gets accepted) and `predicted_tau` (runner.generate.predicted_tau of those).
+at that slot gets accepted) and `predicted_tau` (models.draft.predicted_tau of those).
 """
 
 from __future__ import annotations

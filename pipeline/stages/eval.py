@@ -42,13 +42,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from pipeline import data, tracking
-from models.gguf import load_chat_template
+from models.text import load_chat_template, read_prompt_file, stop_ids
 from pipeline.artifacts import PTE, engine_upstream, load_engine, pte_path
 from pipeline.prompts import cut
 from pipeline.validate import ConfigError, lengths_problem, prompt_file_lines
 from runner.engine import ExactEngine
 from runner.generate import GenerationResult, generate, resolve_chain
-from runner.text import read_prompt_file, stop_ids
 
 log = logging.getLogger(__name__)
 

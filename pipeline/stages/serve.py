@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from models.gguf import load_chat_template
+from models.text import load_chat_template
 from pipeline.artifacts import engine_upstream, load_engine
 
 log = logging.getLogger(__name__)

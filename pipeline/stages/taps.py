@@ -50,11 +50,10 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.gguf import load_chat_template
+from models.text import end_ids, load_chat_template
 from pipeline import data, distributed, prompts, tracking
 from pipeline.artifacts import TAPS_FIELDS, TAPS_INDEX, TAPS_SPLITS
 from pipeline.store import scratch_dir, sha256_file
-from runner.text import end_ids
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +104,7 @@ def tap_sequences(target, ids: torch.Tensor) -> dict[str, torch.Tensor]:
 def generation_mask(ids: torch.Tensor, prompt_len: int, ends: list[int], mask_prompt: bool) -> torch.Tensor:
     """bool [B,T]: positions whose prediction counts. With mask_prompt, only the continuation (the
     prediction at prompt_len-1 is the first generated token); never past a generated end token (`ends`:
-    runner.text.end_ids, where the eval stops)."""
+    models.text.end_ids, where the eval stops)."""
     B, T = ids.shape
     mask = torch.ones(B, T, dtype=torch.bool, device=ids.device)
     if mask_prompt:

@@ -25,9 +25,9 @@ package: its installed version and the file's declared sha256, or the carried fi
 a changed file converts again and an unchanged one converts once. Assembled package files are cached
 under `<paths.store>/.gguf/`.
 
-Both sources also write `chat_template.jinja` (models.gguf.CHAT_TEMPLATE) when the source has a chat
+Both sources also write `chat_template.jinja` (models.text.CHAT_TEMPLATE) when the source has a chat
 template (a GGUF's tokenizer.chat_template; a checkpoint's chat_template.jinja or the chat_template of its
-tokenizer_config.json), so later stages can build chat prompts (models.gguf.load_chat_template).
+tokenizer_config.json), so later stages can build chat prompts (models.text.load_chat_template).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
 # --- target=hf ---------------------------------------------------------------------------------------
 def convert_hf(tc: DictConfig, out: Path) -> dict:
     from models import load_hf_target, save_target
-    from models.gguf import hf_chat_template, write_chat_template
+    from models.text import hf_chat_template, write_chat_template
 
     path = Path(tc.path)
     if not path.is_dir():
@@ -159,7 +159,8 @@ def gguf_source(cfg: DictConfig) -> Path:
 
 def convert_gguf(cfg: DictConfig, out: Path) -> dict:
     from models import save_target
-    from models.gguf import read_gguf, write_chat_template
+    from models.gguf import read_gguf
+    from models.text import write_chat_template
 
     tc = cfg.target
     path = gguf_source(cfg)

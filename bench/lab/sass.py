@@ -4,9 +4,9 @@ Uses the ptxas/cuobjdump that ship inside the triton wheel. Prints, per kernel v
 spills, shared memory, which matrix instructions appear (HGMMA = wgmma, HMMA = mma.sync) and the
 instruction mix inside the hot loop, so block shapes can be judged before spending device time.
 
-    python -m bench.sass int4 BLOCK_N BLOCK_K GROUP SPLIT warps stages
-    python -m bench.sass sdpa BLOCK_R BLOCK_N warps stages
-    python -m bench.sass gluon BLOCK_M SPLIT stages regs [x_depth [trigger [rows]]]    # kernels/int4_gluon.py
+    python -m bench.lab.sass int4 BLOCK_N BLOCK_K GROUP SPLIT warps stages
+    python -m bench.lab.sass sdpa BLOCK_R BLOCK_N warps stages
+    python -m bench.lab.sass gluon BLOCK_M SPLIT stages regs [x_depth [trigger [rows]]]    # kernels/int4_gluon.py
 """
 
 from __future__ import annotations

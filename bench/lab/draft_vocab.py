@@ -1,11 +1,11 @@
 """Benchmark: the draft vocabulary size Vd of a target, chosen by measurement: coverage against step cost.
 
-    python bench/draft_vocab.py --target tiny                     # the embedded default (conf Vd 2048 of 4096)
-    python bench/draft_vocab.py --target smollm2_135m             # SmolLM2-135M-Instruct (conf Vd 4096 of 49,152)
-    python bench/draft_vocab.py --target tiny --vd 1024,2048,all  # other sizes ("all" = the whole vocabulary V)
-    python bench/draft_vocab.py --target smollm2_135m --taps outputs/store/taps/<key> \\
+    python -m bench.lab.draft_vocab --target tiny                     # the embedded default (conf Vd 2048 of 4096)
+    python -m bench.lab.draft_vocab --target smollm2_135m             # SmolLM2-135M-Instruct (conf Vd 4096 of 49,152)
+    python -m bench.lab.draft_vocab --target tiny --vd 1024,2048,all  # other sizes ("all" = the whole vocabulary V)
+    python -m bench.lab.draft_vocab --target smollm2_135m --taps outputs/store/taps/<key> \\
         --pte outputs/store/export/<key>/model.pte --acceptance bench/results/cpu-smollm2-sweep.json#static
-    python bench/draft_vocab.py --target tiny --no-timing         # coverage and the model on recorded costs only
+    python -m bench.lab.draft_vocab --target tiny --no-timing         # coverage and the model on recorded costs only
 
 Needs the target's taps in the store (`python -m pipeline target=<t> +stage=taps`): the script plans the
 preset's cache keys as the pipeline does (pipeline.app.plan_keys) and reads outputs/store/taps/<key>/, or
@@ -23,7 +23,7 @@ config's `draft.draft_vocab_size`. Three parts; the JSON says which numbers are 
    RoPE, max_seq_len, from the target artifact's config.json) and the draft config's choices, but a 2-layer
    target (the fewest layers that hold three distinct tap layers), which keeps each export short. The draft
    step (`draft_decode`, T=1) does not depend on the target's depth: it runs only the draft's one layer and
-   lm_head. All programs are loaded into ONE process and timed side by side as bench/export_latency.py does
+   lm_head. All programs are loaded into ONE process and timed side by side as bench.export_latency does
    (its `Bench`: the runtime's own execute(), a 64-token context in the caches, interleaved repetitions,
    medians and 10th percentiles, one thread): draft_decode T=1 back to back (the step of the model below),
    draft_decode T=1 right after a target_verify (the first step of a round, its caches cold; recorded only),
@@ -37,11 +37,11 @@ config's `draft.draft_vocab_size`. Three parts; the JSON says which numbers are 
 3. The choice (a model, not a measurement). Per-position acceptance alpha_i (i = 0..6: position i accepted
    given positions < i were) measured at the CURRENT Vd: from `--acceptance FILE[#SECTION]` (a sweep result:
    tau(K) per K, alpha_k = (tau(k+1) - tau(k)) / (tau(k) - tau(k-1)), tau(0) = 1; or a draft manifest's
-   `predicted_acceptance_pos_i`, the inputs of runner.generate.predicted_tau), else the preset's draft
-   artifact in the store, else the recorded sweep (tiny: cpu-export-latency.json's 24-prompt int4_draft
-   sweep; smollm2_135m: cpu-smollm2-sweep.json). Then for every Vd and K in 1..7:
+   `predicted_acceptance_pos_i`, the inputs of models.draft.predicted_tau), else the preset's draft
+   artifact in the store, else the acceptance the last run recorded in `--json` (its
+   model.acceptance, which names the sweep it was read from). Then for every Vd and K in 1..7:
        alpha_i(Vd) = min(1, alpha_i(current) * heldout_coverage(Vd) / heldout_coverage(current))
-       tau(K, Vd)  = runner.generate.predicted_tau(alpha(Vd)[:K])   (tokens per round)
+       tau(K, Vd)  = models.draft.predicted_tau(alpha(Vd)[:K])   (tokens per round)
        speedup     = tau(K, Vd) / (verify(K+1) + K * draft_step(Vd))   (costs in units of the real decode step;
                                                                         the baseline emits 1 token per step)
    The scaling assumes the draft is as accurate on the tokens a larger map adds as on those it already has:
@@ -71,25 +71,19 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from runner import quiet  # noqa: E402
+from models import quiet
 
 quiet.install()
 
 from pipeline import train_draft as td  # noqa: E402
-from runner.generate import predicted_tau  # noqa: E402
+from models.draft import predicted_tau  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 RESULTS = ROOT / "bench/results"
 DEFAULT_VDS = "512,1024,2048,4096,8192,16384,all"
 KS = tuple(range(1, 8))
 TARGET_LAYERS = 2  # the fewest layers with three distinct tap layers (models.default_taps(2) = (0, 1, 2))
-# The acceptance measured at the current Vd when neither --acceptance nor a draft artifact gives it.
-RECORDED_ACCEPTANCE = {
-    "tiny": "cpu-export-latency.json#end_to_end/24 prompts (runtime.n_prompts=24), int4_draft, load ~2.5 throughout",
-    "smollm2_135m": "cpu-smollm2-sweep.json#static",
-}
 
 
 # --- 1. coverage (pure) ------------------------------------------------------------------------------------
@@ -125,7 +119,7 @@ def vd_list(spec: str, vocab_size: int, current: int) -> list[int]:
 def acceptance_from_taus(taus: dict) -> list[float]:
     """Per-position acceptance alpha_0..alpha_{n-1} from measured tau(K), K = 1..n (contiguous from 1).
 
-    tau(K) = 1 + sum_{k<K} d_k with d_k = prod_{i<=k} alpha_i (runner.generate.predicted_tau): d_k =
+    tau(K) = 1 + sum_{k<K} d_k with d_k = prod_{i<=k} alpha_i (models.draft.predicted_tau): d_k =
     tau(k+1) - tau(k) (tau(0) = 1) and alpha_k = d_k / d_{k-1} (d_{-1} = 1). Measured taus come from separate
     runs and are noisy, so d_k is clipped to [0, d_{k-1}] (the chance of accepting more than k proposals cannot
     grow with k); alpha_k = 0 once d_{k-1} = 0. Without clipping, predicted_tau(alpha[:K]) == tau(K)."""
@@ -271,15 +265,25 @@ def acceptance_from(node) -> tuple[list[float], str, dict]:
         inputs
 
 
-def find_acceptance(p: dict, target: str, spec: str | None) -> dict:
+def recorded_acceptance(results: Path, target: str) -> dict | None:
+    """The acceptance an earlier run of this script used for `target`, as its result file records it (the
+    source it was read from travels with it), or None."""
+    if not results.is_file():
+        return None
+    return json.loads(results.read_text()).get("targets", {}).get(target, {}).get("model", {}).get("acceptance")
+
+
+def find_acceptance(p: dict, target: str, spec: str | None, results: Path) -> dict:
+    """Acceptance at the current Vd: `--acceptance`, else the preset's draft artifact in the store, else what the
+    last run recorded in `results`."""
     if spec:
         node, where = read_node(spec)
     else:
         draft = artifact(p["store"], "draft", p["keys"]["draft"])
         if draft is not None:
             node, where = json.loads((draft / "manifest.json").read_text()), str(draft / "manifest.json")
-        elif target in RECORDED_ACCEPTANCE:
-            node, where = read_node(RECORDED_ACCEPTANCE[target])
+        elif (recorded := recorded_acceptance(results, target)) is not None:
+            return dict(recorded, source=f"{recorded['source']} (as recorded in {results.name})")
         else:
             raise SystemExit(f"no acceptance for target {target}: pass --acceptance FILE[#SECTION]")
     alpha, kind, inputs = acceptance_from(node)
@@ -436,7 +440,7 @@ def main(argv=None) -> int:
     seen = counts["train"] > 0  # a map larger than this set grows by ids never the target's argmax in train
     seen_share = held_out_coverage(torch.nonzero(seen).flatten(), counts["held_out"])
 
-    acc = find_acceptance(p, args.target, args.acceptance)  # before the minutes of exports: a bad source fails now
+    acc = find_acceptance(p, args.target, args.acceptance, args.json)  # before the minutes of exports: a bad source fails now
 
     # 2. costs
     ec = cfg.export
@@ -493,7 +497,7 @@ def main(argv=None) -> int:
 
     result = {
         "target": args.target,
-        "command": "python bench/draft_vocab.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m bench.lab.draft_vocab " + shlex.join(sys.argv[1:] if argv is None else argv),
         "date": datetime.date.today().isoformat(),
         "machine": {"cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
                     "torch": torch.__version__},
@@ -540,7 +544,7 @@ def main(argv=None) -> int:
         "real_target_costs": dict(real, **{"measured_here": "real" in measured}),
         "model": {
             "what": "alpha_i(Vd) = min(1, alpha_i(current Vd) * held_out_coverage(Vd) / held_out_coverage(current Vd)); "
-                    "tau(K) = runner.generate.predicted_tau(alpha(Vd)[:K]); speedup(K) = tau(K) / (verify(K+1)/decode "
+                    "tau(K) = models.draft.predicted_tau(alpha(Vd)[:K]); speedup(K) = tau(K) / (verify(K+1)/decode "
                     "+ K * draft_step(Vd)/decode), decode = the REAL target's decode step. The scaling assumes the draft "
                     "is as accurate on tokens a larger map adds as on those it has: an upper bound above the current "
                     "Vd, pessimistic below it; it ignores that a draft trained with another Vd learns differently. "
@@ -556,7 +560,7 @@ def main(argv=None) -> int:
     }
     if args.json:
         data = json.loads(args.json.read_text()) if args.json.is_file() else {}
-        data.setdefault("what", "bench/draft_vocab.py: the draft vocabulary size per target, coverage against step "
+        data.setdefault("what", "bench/lab/draft_vocab.py: the draft vocabulary size per target, coverage against step "
                                 "cost (see the script's docstring); per target: measured.* are measurements, model.* "
                                 "predictions")
         data.setdefault("targets", {})[args.target] = result

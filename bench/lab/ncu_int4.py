@@ -1,6 +1,6 @@
 """The workload that Nsight Compute profiles for the INT4 GEMM: a few calls of ours and of torch's tinygemm.
 
-    ncu --clock-control none --set full -k regex:'int4|prep|tinygemm_m16' --export $OUT/int4 python3 -m bench.ncu_int4
+    ncu --clock-control none --set full -k regex:'int4|prep|tinygemm_m16' --export $OUT/int4 python -m bench.lab.ncu_int4
     ncu --import $OUT/int4.ncu-rep --page source --print-source sass --csv   # stall reasons per SASS line
 
 Each (K, N, M) calls `int4_mm` (the path it takes on this GPU: on Hopper the Gluon kernel for these shapes),
@@ -15,7 +15,7 @@ import sys
 import torch
 
 import kernels.int4_gemm as G
-from bench.kernels import tinygemm_mm, to_tinygemm
+from kernels.int4_gemm import tinygemm_mm, to_tinygemm
 
 SHAPES = [(8192, 28672, 1), (8192, 28672, 8), (4096, 4096, 1)]
 

@@ -1,9 +1,13 @@
-"""Known third-party log messages that say nothing about the user's run, dropped where they are logged.
+"""Third-party output that says nothing about the user's run, muted in one place.
 
-Each entry names where the message comes from and a pattern of it; everything else still reaches the
-screen. The Python ones (loggers, warnings) are filtered from the moment `runner` or `pipeline` is
-imported, before torchao is; the native ones (ExecuTorch's C++ runtime writes to file descriptor 2) are
-filtered around the one call that prints them (`native_stderr`).
+Three kinds, one helper each, for every package here (models, runner, pipeline, bench) to use:
+- `install`: known log messages and warnings (KNOWN, KNOWN_WARNINGS) dropped where they are logged, from the
+  moment `runner` or `pipeline` is imported, before torchao is; every other message of the same loggers stays;
+- `native_stderr`: what native code writes to file descriptor 2 (ExecuTorch's C++ runtime, XNNPACK's CPU
+  probe), held around the one call that prints it and written back without the known lines;
+- `muted` and `quiet_transformers`: a library's chatter about its own internals (a logger's warnings, Python
+  warnings, transformers' progress bars) silenced for the duration of one call into it, then restored.
+It lives in models/, the floor every other package stands on, and imports nothing of this project.
 """
 
 from __future__ import annotations
@@ -74,3 +78,51 @@ def native_stderr(drop: re.Pattern = KNOWN_NATIVE):
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def muted(*loggers: str, level: int = logging.ERROR):
+    """Inside the block the named loggers pass only records at `level` or above and Python warnings are dropped;
+    both are restored after."""
+    saved = {name: logging.getLogger(name).level for name in loggers}
+    for name in loggers:
+        logging.getLogger(name).setLevel(level)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for name, lvl in saved.items():
+            logging.getLogger(name).setLevel(lvl)
+
+
+@contextlib.contextmanager
+def quiet_transformers(progress: bool = True, desc: str = "target: dequantise"):
+    """transformers' logging at ERROR, its progress bars off and Python warnings dropped inside the block
+    (each restored after); its GGUF dequantisation loop shows our tqdm bar instead of its own (none when
+    `progress` is false)."""
+    from tqdm import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    saved_tqdm = getattr(gguf_utils, "tqdm", None)
+
+    def bar(iterable=None, *args, **kwargs):
+        return tqdm(iterable, desc=desc, unit="tensor", mininterval=1.0, dynamic_ncols=True, leave=False,
+                    disable=not progress)
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if saved_tqdm is not None:
+        gguf_utils.tqdm = bar
+    try:
+        with muted("gguf"):
+            yield
+    finally:
+        if saved_tqdm is not None:
+            gguf_utils.tqdm = saved_tqdm
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()

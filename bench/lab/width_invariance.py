@@ -1,6 +1,6 @@
 """Does a row's result depend on the width of the call that computes it? SmolLM2's first N layers, fp32 and 8da4w.
 
-    python -m bench.width_invariance --layers 4,12,30 --quants none,int4 --out bench/results/cpu-width-invariance.json
+    python -m bench.lab.width_invariance --layers 4,12,30 --quants none,int4 --out bench/results/cpu-width-invariance.json
 
 Speculation is lossless only if the target gives a position the same logits whether it runs in `prefill`
 (T = 64), in `target_verify` (T = 8) or in `target_decode` (T = 1). For each (layers, quant) this exports a
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT, POS = 64, 63  # the prompt's tokens; the position compared
 
 
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    from runner import quiet  # first: its filters are installed before torchao is imported
+    from models import quiet  # first: its filters are installed before torchao is imported
 
     from models.gguf import package_gguf, read_gguf
     from pipeline.export_pte import export_pte, quantize_int4
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     ids = torch.tensor([gguf.tokenizer.encode(text).ids[:PROMPT]])
     with quiet.native_stderr(re.compile(r"^\[(cpuinfo_utils\.cpp|kernel_runtime_context\.h):\d+\]")):  # every call
         widths = sdpa_widths()
-    result = {"command": "python -m bench.width_invariance " + " ".join(sys.argv[1:] if argv is None else argv), "position": POS,
+    result = {"command": "python -m bench.lab.width_invariance " + " ".join(sys.argv[1:] if argv is None else argv), "position": POS,
               "custom_sdpa_vs_T1": widths, "models": []}
     for n in (int(x) for x in args.layers.split(",")):
         for quant in args.quants.split(","):

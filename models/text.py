@@ -1,5 +1,9 @@
-"""Text around the token loop: prompt files, stop tokens and chat templates (shared by `python -m runner`, the
-server and the stages)."""
+"""Text facts of a target: its end tokens, its chat template, and the prompt files a user hands in.
+
+Every layer reads them: the data and taps stages (which tokens end a document or an answer), the eval and serve
+stages and the runner (stop tokens, chat prompts), the target stage (writing the template beside the tokenizer).
+So they live here, on the floor the pipeline and the runner both stand on, and import nothing of either.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from pathlib import Path
 # chat templates (<|im_end|>, <end_of_turn>, <|eot_id|>) end a generation as well.
 EOS_TOKENS = ("<|eos|>", "<|endoftext|>", "<eos>", "</s>", "<|end_of_text|>")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
+CHAT_TEMPLATE = "chat_template.jinja"  # beside a target artifact's tokenizer.json, when its source has one
 
 
 def eos_id(tokenizer) -> int | None:
@@ -79,3 +84,37 @@ def render_chat(template: str, messages: str | list[dict], tokenizer) -> str:
     rendered = render_jinja_template([list(messages)], chat_template=template, add_generation_prompt=True,
                                      **specials)
     return rendered[0][0] if isinstance(rendered, tuple) else rendered[0]
+
+
+def write_chat_template(out, template: str | None) -> bool:
+    """Write `template` as CHAT_TEMPLATE in the target artifact `out`; nothing when there is none."""
+    if not template:
+        return False
+    (Path(out) / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
+    return True
+
+
+def load_chat_template(target_dir) -> str | None:
+    """The chat template of a target artifact (a Jinja template as transformers renders it), or None."""
+    path = Path(target_dir) / CHAT_TEMPLATE
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+def hf_chat_template(checkpoint_dir) -> str | None:
+    """The chat template of a Hugging Face checkpoint directory: its chat_template.jinja (what
+    transformers >= 4.43 saves), else tokenizer_config.json's chat_template (a string, or a list of named
+    templates of which "default" is the one transformers applies), else None."""
+    d = Path(checkpoint_dir)
+    if (d / CHAT_TEMPLATE).is_file():
+        return (d / CHAT_TEMPLATE).read_text(encoding="utf-8")
+    cfg_file = d / "tokenizer_config.json"
+    if not cfg_file.is_file():
+        return None
+    try:
+        template = json.loads(cfg_file.read_text(encoding="utf-8")).get("chat_template")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{cfg_file}: not a JSON object ({e})") from None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) and template else None

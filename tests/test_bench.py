@@ -1,0 +1,43 @@
+"""bench/ stays runnable: every module of bench/ and bench/lab/ imports (so a broken import fails here, not on the
+next device run), and every script a user runs answers `python -m bench.X --help` from the repository root."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
+LAB = sorted(p.stem for p in (ROOT / "bench" / "lab").glob("*.py") if p.stem != "__init__")
+
+
+def test_bench_holds_the_user_facing_scripts_and_lab_the_investigations():
+    assert {"sweep", "export_latency", "peers", "serve", "cuda_engine", "kernels"} <= set(SCRIPTS)
+    assert {"width_invariance", "draft_vocab", "sass", "ncu_int4", "kernel_tune"} <= set(LAB)
+
+
+def test_every_bench_and_lab_module_imports():
+    """One fresh interpreter imports them all (some install log filters at import, which this process keeps out
+    of); it reports each module that fails with its exception."""
+    modules = [f"bench.{m}" for m in SCRIPTS] + [f"bench.lab.{m}" for m in LAB]
+    code = ("import importlib, json, traceback\nfailed = {}\n"
+            f"for m in {modules!r}:\n"
+            "    try:\n        importlib.import_module(m)\n"
+            "    except Exception:\n        failed[m] = traceback.format_exc(limit=3)\n"
+            "print(json.dumps(failed))\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    failed = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not failed, "\n".join(f"{m}:\n{tb}" for m, tb in failed.items())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_bench_script_answers_help_from_the_repository_root(script):
+    res = subprocess.run([sys.executable, "-m", f"bench.{script}", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "usage:" in res.stdout
