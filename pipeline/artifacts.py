@@ -60,41 +60,33 @@ def engine_upstream(cfg) -> tuple[str, ...]:
 
 def load_engine(cfg, upstream: dict):
     """The runner.engine.Engine that `runtime.engine` names, over the upstream artifacts, in exact mode when
-    `runtime.exact` (resolved by pipeline.hardware) says so."""
-    from runner.engine import ExactEngine
+    `runtime.exact` (resolved by pipeline.hardware) says so: the CUDA engine runs it itself, the others
+    through runner.engine.ExactEngine."""
+    from runner.engine import EagerEngine, ExactEngine, PteEngine
 
     rt = cfg.runtime
+    engine = str(rt.engine)  # pipeline.validate refused any other, and cuda without a CUDA device
+    if engine not in ENGINES:
+        raise ValueError(f"runtime.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if rt.get("exact") == "auto" or (rt.get("exact") and rt.get("exact_width") == "auto"):
         raise ValueError(f"runtime.exact={rt.get('exact')!r}, runtime.exact_width={rt.get('exact_width')!r}: "
                          "resolve `auto` first (pipeline.hardware.resolve)")
-    engine = _load_engine(cfg, upstream)
-    if rt.engine != "cuda" and rt.get("exact"):  # the CUDA engine runs exact mode itself
-        engine = ExactEngine(engine, int(rt.exact_width))
-    return engine
-
-
-def _load_engine(cfg, upstream: dict):
-    from runner.engine import EagerEngine, PteEngine
-
-    engine = str(cfg.runtime.engine)  # pipeline.validate refused any other, and cuda without a CUDA device
-    if engine not in ENGINES:
-        raise ValueError(f"runtime.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "pte":
-        return PteEngine(pte_path(upstream["export"]), verified=True,  # the store re-hashed the artifact's files
-                         tokenizer=Path(upstream["target"].path) / "tokenizer.json")
     if engine == "cuda":
         from pipeline.export_pte import windows
         from runner.cuda_engine import load_cuda_engine
 
         return load_cuda_engine(upstream["target"].path, upstream["draft"].path, windows=windows(cfg.export),
-                                device=cfg.runtime.get("device") or "cuda", kernels=cfg.export.get("quant") == "int4",
-                                exact=bool(cfg.runtime.exact))
-    from models import Speculator, load_speculators, load_target
+                                device=rt.get("device") or "cuda", kernels=cfg.export.get("quant") == "int4",
+                                exact=bool(rt.exact))
+    pte = PteEngine(pte_path(upstream["export"]), verified=True,  # the store re-hashed the artifact's files
+                    tokenizer=Path(upstream["target"].path) / "tokenizer.json")
+    if engine == "eager":
+        from models import Speculator, load_speculators, load_target
 
-    target = load_target(upstream["target"].path)
-    speculator = Speculator(target, load_speculators(upstream["draft"].path, target))
-    pte = PteEngine(pte_path(upstream["export"]), verified=True)
-    m = pte.meta  # the same windows as the exported program
-    return EagerEngine(speculator, max_m=m["max_m"], default_chain=m["default_chain"],
-                       max_prefill_chunk=m["max_prefill_chunk"], min_prefill_chunk=m["min_prefill_chunk"],
-                       device=cfg.runtime.get("device") or "cpu", manifest_hash=m["manifest_hash"])
+        target = load_target(upstream["target"].path)
+        m = pte.meta  # the same windows as the exported program
+        pte = EagerEngine(Speculator(target, load_speculators(upstream["draft"].path, target)), max_m=m["max_m"],
+                          default_chain=m["default_chain"], max_prefill_chunk=m["max_prefill_chunk"],
+                          min_prefill_chunk=m["min_prefill_chunk"], device=rt.get("device") or "cpu",
+                          manifest_hash=m["manifest_hash"])
+    return ExactEngine(pte, int(rt.exact_width)) if rt.get("exact") else pte
