@@ -9,6 +9,8 @@ Systems (every one decodes the same prompt ids for the same number of new tokens
   runner.generate's loop, K = 0 (target_decode) and every K in [1, max_m-1]; one load per quant.
 - `ours fp32 adaptive` / ...: the same .pte with `policy="adaptive"` (K per round in [1, max_m-1], starting
   from the .pte's default K), set beside the best static K, which it is not told.
+- `ours int4 exact K=k` / `ours int4 exact adaptive`: the int4 .pte in exact mode (runner.engine.ExactEngine,
+  `--exact-width`, default the CPU's 8da4w row tile): every K must give the exact K = 0's tokens (lossless column).
 - `hf greedy`, `hf pld k`, `hf assisted`: transformers' `generate` (dynamic cache, eager, fp32: a static cache
   without torch.compile measured slower here, 75 against 125 tokens/s on the embedded target) on the same
   weights read from a GGUF (ours, written by write_gguf below; SmolLM2's original); prompt-lookup
@@ -301,27 +303,34 @@ class System:
     runs: list = field(default_factory=list)  # (rep, prompt index, Run)
 
 
-def ours_systems(pte: Path, quant: str, target_bytes: int, chains: list[int] | None) -> tuple[list[System], object]:
-    from runner.engine import PteEngine
+def ours_systems(pte: Path, quant: str, target_bytes: int, chains: list[int] | None,
+                 exact_width: int = 0) -> tuple[list[System], object]:
+    """Our rows over one .pte: K = 0 and every K (or `chains`), the adaptive policy, and with `exact_width` the
+    same in exact mode (runner.engine.ExactEngine: K = 0 and every K < width, labelled `<quant> exact`, each
+    compared with the exact K = 0)."""
+    from runner.engine import ExactEngine, PteEngine
     from runner.generate import generate
 
     engine = PteEngine(pte)
-    max_m = engine.meta["max_m"]
-    ks = [0, *range(1, max_m)] if chains is None else chains
 
-    def runner(k, policy="static"):
+    def runner(eng, k, policy="static"):
         def run(prompt, n):
-            res = generate(engine, prompt, chain=k, max_new_tokens=n, policy=policy)
+            res = generate(eng, prompt, chain=k, max_new_tokens=n, policy=policy)
             extra = {"tau": res.tau} if k != 0 else {}
             if k != 0:
                 extra.update(verify_ms=res.verify_ms, draft_ms=res.draft_ms, rounds=res.rounds)
             return Run(res.output_ids, res.decode_tokens, res.decode_ms / 1e3, extra)
         return run
 
-    systems = [System(f"ours {quant} K={k}", "ours", runner(k), target_bytes, quant, k) for k in ks]
-    if chains is None:  # the adaptive policy over every K the .pte serves, from the .pte's default K
-        systems.append(System(f"ours {quant} adaptive", "ours", runner(None, "adaptive"), target_bytes, quant,
-                              max_m - 1, "adaptive"))
+    systems = []
+    engines = [(engine, quant)] + ([(ExactEngine(engine, exact_width), f"{quant} exact")] if exact_width else [])
+    for eng, label in engines:
+        max_m = eng.meta["max_m"]
+        ks = [0, *range(1, max_m)] if chains is None else [k for k in chains if k < max_m]
+        systems += [System(f"ours {label} K={k}", "ours", runner(eng, k), target_bytes, label, k) for k in ks]
+        if chains is None:  # the adaptive policy over every K the program serves, from its default K
+            systems.append(System(f"ours {label} adaptive", "ours", runner(eng, None, "adaptive"), target_bytes,
+                                  label, max_m - 1, "adaptive"))
     return systems, engine
 
 
@@ -788,7 +797,14 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
         pte = e["path"] / "model.pte"
         nbytes = target_weight_bytes(target_model, quant, int(e["export"].get("group_size", 32))) \
             if target_model is not None else None
-        rows, engine = ours_systems(pte, quant, nbytes, args.chains)
+        width = 0
+        if quant != "fp32" and args.exact_width != "0":  # exact mode where a row's rounding can flip a token
+            from pipeline.hardware import resolve_exact_width
+
+            width = resolve_exact_width(args.exact_width if args.exact_width == "auto" else int(args.exact_width),
+                                        max_m=int(e["export"]["max_m"]), backend="xnnpack", quant=quant,
+                                        engine="pte")
+        rows, engine = ours_systems(pte, quant, nbytes, args.chains, width)
         systems += rows
         engines[quant] = (engine, e)
 
@@ -933,6 +949,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quants", default="fp32,int4", help="our .pte rows: export.quant values (fp32 = none)")
+    ap.add_argument("--exact-width", default="auto", help="exact-mode rows of the int4 .pte at this width "
+                    "(runtime.exact_width; auto: the CPU's 8da4w row tile; 0: none)")
     ap.add_argument("--chains", default=None, help="our K values (default 0 and every K in [1, max_m-1])")
     ap.add_argument("--assistant-layers", type=int, default=None,
                     help="layers of the truncated assistant (default max(2, L // 8))")
