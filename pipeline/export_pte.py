@@ -111,6 +111,7 @@ from torch.export import Dim, export
 from tqdm.auto import tqdm
 
 from kernels.rule import SMALL_M_LIMIT, use_small_m
+from models import quiet
 
 log = logging.getLogger(__name__)
 
@@ -482,21 +483,9 @@ def _tracing_mode(speculator: nn.Module):
 LOWERED_SUFFIX = ".lowered.pt2"
 
 
-@contextlib.contextmanager
-def _quiet_serde():
-    """exir's serde logs a warning per unbacked symbol it does not find again and warns of deprecated
-    ShapeEnv calls: facts of its internals, not of the program."""
-    import warnings
-
-    logger = logging.getLogger("executorch.exir.serde.export_serialize")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
+# exir's serde logs a warning per unbacked symbol it does not find again and warns of deprecated ShapeEnv
+# calls: facts of its internals, not of the program.
+SERDE_LOGGER = "executorch.exir.serde.export_serialize"
 
 
 def _lowered_version() -> str:
@@ -517,7 +506,7 @@ def save_lowered(program, path: Path) -> None:
                **{n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}}
     grad = sorted(k for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad)
     tmp = path.with_name(path.name + ".tmp")
-    with _quiet_serde():
+    with quiet.muted(SERDE_LOGGER):
         save(program, str(tmp), extra_files={"versions": _lowered_version(), "requires_grad": json.dumps(grad)})
     tmp.replace(path)
 
@@ -533,7 +522,7 @@ def load_lowered(path: Path):
         return None
     extra = {"versions": "", "requires_grad": "[]"}
     try:
-        with _quiet_serde():
+        with quiet.muted(SERDE_LOGGER):
             program = load(str(path), extra_files=extra)
     except Exception as e:  # written atomically, so only a damaged disk gets here: lower it again
         log.warning("%s is not a readable lowered method (%s: %s): lowering it again", path, type(e).__name__, e)

@@ -142,7 +142,12 @@ def ui_command(uri: str, experiment_id: str) -> str:
 
 
 class _Mute(logging.Filter):
-    """Drops the records of the logger it is attached to while this thread is inside a tracking call."""
+    """Drops the records of the logger it is attached to while this thread is inside a tracking call.
+
+    MLflow's own muting, not models.quiet's: it drops every record, errors too (a failed call is retried and its
+    last exception raised by `_attempts`), and only this thread's, while `quiet.muted` sets a logger's level for
+    the whole process and keeps its errors.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -177,7 +182,7 @@ def _quiet_env() -> None:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     for k, v in HTTP_ENV.items():
         os.environ.setdefault(k, v)
-    for name in ("alembic", "mlflow.store.db.utils"):
+    for name in ("alembic", "mlflow.store.db.utils"):  # their INFO on each store open, for the process's life
         logging.getLogger(name).setLevel(logging.WARNING)
     for name in NOISY_LOGGERS:
         if _MUTE not in logging.getLogger(name).filters:
