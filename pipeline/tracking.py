@@ -71,6 +71,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from pipeline.store import pid_alive
+
 log = logging.getLogger(__name__)
 
 PARENT_RUN_FILE = ".mlflow_parent_run"
@@ -228,21 +230,6 @@ def _attempts(fn: Callable, budget_s: float):
 def _line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` is a live process on this host (a zombie is not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
 
 
 # --- ops: what a write is, how it is sent, where the unsent ones are kept -------------------------------
