@@ -40,12 +40,11 @@ def load_llama_ops() -> None:
     """Register ExecuTorch's llama:: ops (update_cache, custom_sdpa) with torch, and their kernels with the
     ExecuTorch runtime of this process (executorch's libcustom_ops_aot_lib carries both): needed before
     tracing the "llama_ops" path and before loading a .pte that calls them."""
-    import warnings
-
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
 
-    # update_cache's meta function (executorch 1.5.1) calls the deprecated torch._check_is_size on every trace
-    warnings.filterwarnings("ignore", message="_check_is_size will be removed", category=FutureWarning)
+    from models import quiet
+
+    quiet.install()  # its KNOWN_WARNINGS hold update_cache's deprecation warning, raised on every trace
 
 
 class RMSNorm(nn.Module):

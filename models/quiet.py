@@ -34,6 +34,8 @@ KNOWN_WARNINGS = (
     # ExecuTorch notes that a mutated buffer's initial value is not serialised: the KV caches are meant so
     # (every slot is written before the causal mask lets it be read; pipeline/export_pte.py).
     (r"Mutation on a buffer in the model is detected", UserWarning),
+    # llama::update_cache's meta function (executorch 1.5.1) calls the deprecated torch._check_is_size on every trace.
+    (r"_check_is_size will be removed", FutureWarning),
 )
 # XNNPACK's CPU probe, on the first delegate call of a process, reports ARM-only files it cannot find.
 KNOWN_NATIVE = re.compile(r"^\[cpuinfo_utils\.cpp:\d+\]")

@@ -50,6 +50,7 @@ def load_taps(path, split: str) -> dict[str, torch.Tensor]:
 
 
 ENGINES = ("pte", "eager", "cuda")
+CUDA_QUANTS = ("none", "int4")  # runtime.cuda_quant; int4: the cuda engine's INT4 GPU kernels
 
 
 def engine_upstream(cfg) -> tuple[str, ...]:
@@ -61,7 +62,8 @@ def engine_upstream(cfg) -> tuple[str, ...]:
 def load_engine(cfg, upstream: dict):
     """The runner.engine.Engine that `runtime.engine` names, over the upstream artifacts, in exact mode when
     `runtime.exact` (resolved by pipeline.hardware) says so: the CUDA engine runs it itself, the others
-    through runner.engine.ExactEngine."""
+    through runner.engine.ExactEngine. The CUDA engine's weights are `runtime.cuda_quant`'s, never
+    `export.quant`'s (that one is the .pte's)."""
     from runner.engine import EagerEngine, ExactEngine, PteEngine
 
     rt = cfg.runtime
@@ -75,9 +77,11 @@ def load_engine(cfg, upstream: dict):
         from pipeline.export_pte import windows
         from runner.cuda_engine import load_cuda_engine
 
+        quant = str(rt.get("cuda_quant", "none"))
+        if quant not in CUDA_QUANTS:
+            raise ValueError(f"runtime.cuda_quant must be one of {', '.join(CUDA_QUANTS)}, got {quant!r}")
         return load_cuda_engine(upstream["target"].path, upstream["draft"].path, windows=windows(cfg.export),
-                                device=rt.get("device") or "cuda", kernels=cfg.export.get("quant") == "int4",
-                                exact=bool(rt.exact))
+                                device=rt.get("device") or "cuda", kernels=quant == "int4", exact=bool(rt.exact))
     pte = PteEngine(pte_path(upstream["export"]), verified=True,  # the store re-hashed the artifact's files
                     tokenizer=Path(upstream["target"].path) / "tokenizer.json")
     if engine == "eager":

@@ -81,7 +81,7 @@ and equal delegate weights share one named-data entry (XNNPACK keys them by sha2
 is the largest table (Gemma 3 270M: 262,144 x 640 fp32, 671 MB, most of the weights) and has three
 readers: the target's lookup and the draft's (one Parameter, models.Speculator), which run outside the
 delegate and read the constant segment, and the tied lm_head, an XNNPACK linear whose static weight lives
-in the named data, which keeps it fast (packed once at load). `share_constant_bytes` points that
+in the named data, which keeps it fast (packed once at load). `pte_segments.share_constant_bytes` points that
 named-data entry at the constant segment's bytes, so the table is stored once (measured, 2 layers, vocab
 262,144 x 640: 1,352.6 MB -> 681.5 MB; 32,768 x 64: 17.6 MB -> 9.2 MB; target_decode outputs bit-identical,
 its time the same within noise, the delegates unchanged). With quant="int4" the lm_head's weight is
@@ -111,6 +111,8 @@ from torch.export import Dim, export
 from tqdm.auto import tqdm
 
 from kernels.rule import SMALL_M_LIMIT, use_small_m
+from models import quiet
+from pipeline.pte_segments import data_layout, share_constant_bytes
 
 log = logging.getLogger(__name__)
 
@@ -302,135 +304,6 @@ def constant_methods(speculator: nn.Module, *, max_m: int, default_chain: int, m
     }
 
 
-# --- every table stored once --------------------------------------------------------------------------
-_TENSOR_ALIGNMENT = 16  # XNNPACK's named-data alignment; also ExecuTorch's default constant tensor alignment
-_MAGIC = r"ET[0-9a-zA-Z][0-9a-zA-Z]"
-
-
-def share_constant_bytes(pte: bytes, *, segment_alignment: int = 128, constant_tensor_alignment: int | None = None,
-                         delegate_alignment: int | None = None) -> tuple[bytes, list[tuple[str, int]]]:
-    """Point every named-data segment whose bytes equal a constant-segment tensor at that tensor.
-
-    -> (the rewritten program, [(named-data key, bytes)] now read from the constant segment).
-
-    Why: a tied embedding is one Parameter read by two consumers in two places. The lookup
-    (aten.embedding) runs outside the delegate, so the emitter stores the table in the program's constant
-    segment (one entry per content hash across all methods, so the draft's equal copy adds nothing);
-    the lm_head is an XNNPACK fully-connected op, whose static fp32 weight XNNPACK stores untransformed
-    in the program's named data, keyed by its sha256 (one entry across all methods). Without this rewrite
-    the file holds the table twice. Neither consumer can move: XNNPACK has no gather op, and a delegated
-    linear needs its weight static (measured on lookup + norm + tied lm_head alone, vocab 32768 x 64,
-    one thread: 0.27 ms a call with the static weight; 3.0 ms with the weight passed in at run time,
-    which XNNPACK repacks on every call; 2.2 ms with the lookup as a delegated one-hot matmul, a V x H
-    GEMM per token; 25 ms with no delegate); and the runtime resolves the program's own tensors only
-    from the constant segment (an EXTERNAL tensor is looked up in a separate .ptd file, never in the
-    .pte's named data).
-
-    How: a segment is only an (offset, size) range of the file, and nothing in the format or runtime
-    requires ranges to be disjoint (Program::LoadSegment and PteDataMap::get_data load any range; the
-    1.5.1 runtime loads and runs such a program, tests/test_export.py). So the named-data segment keeps its index and key and its range becomes the constant
-    tensor's bytes; its own copy is dropped and the later segments move up, keeping the alignment their
-    offsets had. Only byte-identical data is shared, so a quantised lm_head (int4) keeps its own table.
-    The flatbuffer is re-encoded with the same alignments, every segment is checked to read back the
-    bytes it held, and the decoded program must equal the original apart from its segment table.
-    """
-    import numpy as np
-    from executorch.exir._serialize._flatbuffer_program import _flatbuffer_to_program, _program_to_flatbuffer
-    from executorch.exir._serialize._program import (_ExtendedHeader, _get_extended_header,
-                                                     _insert_flatbuffer_header)
-    from executorch.exir._serialize.padding import aligned_size, pad_to
-    from executorch.exir.schema import DataSegment
-
-    header = _get_extended_header(pte)
-    if header is None or header.segment_base_offset == 0:
-        return pte, []
-    program = _flatbuffer_to_program(pte[:header.program_size])
-    constants, segments, base = program.constant_segment, list(program.segments), header.segment_base_offset
-    if not program.named_data or constants is None or len(constants.offsets) < 2:
-        return pte, []
-    data = np.frombuffer(pte, dtype=np.uint8)
-
-    def at(offset: int, size: int):
-        return data[base + offset: base + offset + size]
-
-    const_seg = segments[constants.segment_index]
-    ends = list(constants.offsets[1:]) + [const_seg.size]
-    tensors = [(off, end - off) for off, end in zip(constants.offsets, ends) if end > off]
-    shared: dict[int, int] = {}  # named-data segment index -> its tensor's offset in the constant segment
-    for index in sorted({entry.segment_index for entry in program.named_data}):
-        seg = segments[index]
-        if const_seg.offset <= seg.offset < const_seg.offset + const_seg.size:
-            continue  # already a range of the constant segment
-        for off, span in tensors:  # span = tensor bytes + padding below the tensor alignment
-            if (0 <= span - seg.size < _TENSOR_ALIGNMENT and (const_seg.offset + off) % _TENSOR_ALIGNMENT == 0
-                    and np.array_equal(at(seg.offset, seg.size), at(const_seg.offset + off, seg.size))):
-                shared[index] = off
-                break
-    if not shared:
-        return pte, []
-
-    offsets, end = {}, 0
-    for index, seg in enumerate(segments):
-        if index not in shared:
-            offsets[index] = aligned_size(end, min(seg.offset & -seg.offset, 4096) if seg.offset else 4096)
-            end = offsets[index] + seg.size
-    for index, off in shared.items():
-        offsets[index] = offsets[constants.segment_index] + off
-    program.segments = [DataSegment(offset=offsets[i], size=seg.size) for i, seg in enumerate(segments)]
-
-    flat = _program_to_flatbuffer(program, constant_tensor_alignment=constant_tensor_alignment,
-                                  delegate_alignment=delegate_alignment)
-    header_size = aligned_size(_ExtendedHeader.EXPECTED_LENGTH, flat.max_alignment)
-    program_size = header_size + len(flat.data)
-    new_base = aligned_size(program_size, segment_alignment)
-    new_header = pad_to(_ExtendedHeader(program_size=program_size, segment_base_offset=new_base,
-                                        segment_data_size=end).to_bytes(), header_size)
-    out = np.zeros(new_base + end, dtype=np.uint8)
-    out[:program_size] = np.frombuffer(_insert_flatbuffer_header(flat.data, _MAGIC, new_header), dtype=np.uint8)
-    for index, seg in enumerate(segments):
-        if index not in shared:
-            out[new_base + offsets[index]: new_base + offsets[index] + seg.size] = at(seg.offset, seg.size)
-
-    for index, seg in enumerate(segments):  # every range reads back what it held
-        if not np.array_equal(out[new_base + offsets[index]: new_base + offsets[index] + seg.size],
-                              at(seg.offset, seg.size)):
-            raise AssertionError(f"share_constant_bytes: segment {index} does not read back its bytes")
-    decoded = _flatbuffer_to_program(out[:program_size].tobytes())
-    if _get_extended_header(out[:64].tobytes()).segment_base_offset != new_base or decoded.segments != program.segments:
-        raise AssertionError("share_constant_bytes: the rewritten header or segment table does not decode")
-    decoded.segments = segments
-    if decoded != _flatbuffer_to_program(pte[:header.program_size]):
-        raise AssertionError("share_constant_bytes: the re-encoded program differs from the lowered one")
-    keys = {entry.segment_index: entry.key for entry in program.named_data}
-    return out.tobytes(), [(keys[i], segments[i].size) for i in sorted(shared)]
-
-
-def data_layout(pte: bytes) -> dict[str, int]:
-    """Where a program's bytes are: {"file", "constant", "named_data" (stored on its own), "named_data_shared"
-    (read from the constant segment), "other_segments" (delegate payloads, mutable data)} in bytes."""
-    from executorch.exir._serialize._flatbuffer_program import _flatbuffer_to_program
-    from executorch.exir._serialize._program import _get_extended_header
-
-    layout = {"file": len(pte), "constant": 0, "named_data": 0, "named_data_shared": 0, "other_segments": 0}
-    header = _get_extended_header(pte)
-    if header is None or header.segment_base_offset == 0:
-        return layout
-    program = _flatbuffer_to_program(pte[:header.program_size])
-    segments = program.segments
-    const = program.constant_segment.segment_index if program.constant_segment else None
-    lo, hi = (segments[const].offset, segments[const].offset + segments[const].size) if const is not None else (0, 0)
-    named = {entry.segment_index for entry in program.named_data or ()}
-    for index, seg in enumerate(segments):
-        if index == const:
-            layout["constant"] += seg.size
-        elif index in named:
-            inside = const is not None and lo <= seg.offset and seg.offset + seg.size <= hi
-            layout["named_data_shared" if inside else "named_data"] += seg.size
-        else:
-            layout["other_segments"] += seg.size
-    return layout
-
-
 def pick_attention(speculator: nn.Module, attention: str) -> str:
     """The cached attention the program runs: `attention` ("llama_ops" | "index_copy", models.layers), except
     that a model with a soft-capped attention layer (llama::custom_sdpa has no soft-cap) keeps "index_copy"."""
@@ -482,21 +355,9 @@ def _tracing_mode(speculator: nn.Module):
 LOWERED_SUFFIX = ".lowered.pt2"
 
 
-@contextlib.contextmanager
-def _quiet_serde():
-    """exir's serde logs a warning per unbacked symbol it does not find again and warns of deprecated
-    ShapeEnv calls: facts of its internals, not of the program."""
-    import warnings
-
-    logger = logging.getLogger("executorch.exir.serde.export_serialize")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
+# exir's serde logs a warning per unbacked symbol it does not find again and warns of deprecated ShapeEnv
+# calls: facts of its internals, not of the program.
+SERDE_LOGGER = "executorch.exir.serde.export_serialize"
 
 
 def _lowered_version() -> str:
@@ -517,7 +378,7 @@ def save_lowered(program, path: Path) -> None:
                **{n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}}
     grad = sorted(k for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad)
     tmp = path.with_name(path.name + ".tmp")
-    with _quiet_serde():
+    with quiet.muted(SERDE_LOGGER):
         save(program, str(tmp), extra_files={"versions": _lowered_version(), "requires_grad": json.dumps(grad)})
     tmp.replace(path)
 
@@ -533,7 +394,7 @@ def load_lowered(path: Path):
         return None
     extra = {"versions": "", "requires_grad": "[]"}
     try:
-        with _quiet_serde():
+        with quiet.muted(SERDE_LOGGER):
             program = load(str(path), extra_files=extra)
     except Exception as e:  # written atomically, so only a damaged disk gets here: lower it again
         log.warning("%s is not a readable lowered method (%s: %s): lowering it again", path, type(e).__name__, e)

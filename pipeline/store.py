@@ -229,7 +229,9 @@ class TempDir:
     stale: str | None
 
 
-def _pid_running(pid: int | None) -> bool:
+def pid_alive(pid: int | None) -> bool:
+    """Whether `pid` is a live process on this host: a zombie is not (it runs no more code), someone else's
+    process is; no pid is none."""
     if pid is None or pid <= 0:
         return False
     try:
@@ -238,7 +240,11 @@ def _pid_running(pid: int | None) -> bool:
         return False
     except PermissionError:  # someone else's process
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc: the signal said it exists
+        return True
+    return state not in ("Z", "X")
 
 
 def _utc_stamp() -> str:
@@ -469,7 +475,7 @@ class Store:
                 key, _, pid_text = path.name[len(".tmp-"):].rpartition("-")
                 pid = int(pid_text) if pid_text.isdigit() else None
                 key = key if pid is not None else path.name[len(".tmp-"):]
-                if not _pid_running(pid):
+                if not pid_alive(pid):
                     why = f"process {pid} is not running" if pid is not None else "no pid in its name"
                 elif not self._lock_held(stage_dir.name, key):
                     why = f"nobody holds {self.lock_path(stage_dir.name, key)}"

@@ -71,6 +71,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from pipeline.store import pid_alive
+
 log = logging.getLogger(__name__)
 
 PARENT_RUN_FILE = ".mlflow_parent_run"
@@ -142,7 +144,12 @@ def ui_command(uri: str, experiment_id: str) -> str:
 
 
 class _Mute(logging.Filter):
-    """Drops the records of the logger it is attached to while this thread is inside a tracking call."""
+    """Drops the records of the logger it is attached to while this thread is inside a tracking call.
+
+    MLflow's own muting, not models.quiet's: it drops every record, errors too (a failed call is retried and its
+    last exception raised by `_attempts`), and only this thread's, while `quiet.muted` sets a logger's level for
+    the whole process and keeps its errors.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -177,7 +184,7 @@ def _quiet_env() -> None:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     for k, v in HTTP_ENV.items():
         os.environ.setdefault(k, v)
-    for name in ("alembic", "mlflow.store.db.utils"):
+    for name in ("alembic", "mlflow.store.db.utils"):  # their INFO on each store open, for the process's life
         logging.getLogger(name).setLevel(logging.WARNING)
     for name in NOISY_LOGGERS:
         if _MUTE not in logging.getLogger(name).filters:
@@ -223,21 +230,6 @@ def _attempts(fn: Callable, budget_s: float):
 def _line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` is a live process on this host (a zombie is not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
 
 
 # --- ops: what a write is, how it is sent, where the unsent ones are kept -------------------------------

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from models import Speculator
-from runner.engine import fixed_width, speculator_meta
+from runner.engine import Engine, fixed_width, speculator_meta
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -136,7 +136,7 @@ class _Round(_Call):
         return out[1 : out[0] + 2]
 
 
-class CudaEngine:
+class CudaEngine(Engine):
     """The engine interface over a Speculator on `device`, with one CUDA graph per call shape (module doc)."""
 
     def __init__(self, speculator: Speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int,
@@ -229,7 +229,8 @@ class CudaEngine:
                                                 input_pos.to(self.device))
         return ids.to("cpu"), g, logits
 
-    # --- rounds on the device (runner.generate uses them for greedy decoding with a static K) ---------
+    # --- rounds on the device (the Engine protocol's optional capability: runner.generate uses them for
+    # greedy decoding with a static K) ----------------------------------------------------------------------
     device_rounds = True
 
     def begin_rounds(self, first_id: int, g: torch.Tensor) -> None:

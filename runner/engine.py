@@ -56,13 +56,29 @@ PROGRAM_METHODS = ("prefill", "target_verify", "target_verify_exact", "target_de
 
 
 class Engine(Protocol):
+    """The methods above, `meta`, and one optional capability: device rounds.
+
+    An engine whose `device_rounds` is True runs a whole greedy round at a static K itself, on its device with
+    one synchronisation (runner.cuda_engine): `begin_rounds(first_id, g)` once after the draft is seeded with
+    the prompt, then `speculate(k, anchor, P)` per round, which returns `new` as runner.generate's round would.
+    The engines here subclass Engine, so every other one inherits `device_rounds = False` and the two refusals
+    below, and the loop drives its rounds call by call.
+    """
+
     meta: dict
+    device_rounds: bool = False
 
     def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor): ...
     def target_verify(self, tokens: torch.Tensor, input_pos: torch.Tensor): ...
     def target_decode(self, tokens: torch.Tensor, input_pos: torch.Tensor): ...
     def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor): ...
     def reset(self) -> None: ...
+
+    def begin_rounds(self, first_id: int, g: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} runs no device rounds (device_rounds is False)")
+
+    def speculate(self, k: int, anchor: int, P: int) -> list[int]:
+        raise NotImplementedError(f"{type(self).__name__} runs no device rounds (device_rounds is False)")
 
 
 def _scalar(value):
@@ -183,7 +199,7 @@ def size_runtime_pool() -> None:
     _POOL_SIZED = True
 
 
-class PteEngine:
+class PteEngine(Engine):
     """One loaded ExecuTorch program. Its methods share the mutable KV caches, so one PteEngine serves any
     number of generations in sequence: every generation rewrites the cache from position 0. The file is
     checked against the manifest beside it before it is loaded (`check_pte`)."""
@@ -272,7 +288,7 @@ def fixed_width(target_verify, width: int):
     return decode, verify
 
 
-class ExactEngine:
+class ExactEngine(Engine):
     """Exact mode (`runtime.exact`) over the .pte or the eager modules: every K gives K=0's tokens bit for bit.
 
     A row's logits otherwise depend on the call it is in, in two ways, and an int4 target (8da4w rounds every
@@ -324,7 +340,7 @@ def speculator_meta(speculator, *, max_m: int, default_chain: int, max_prefill_c
     }
 
 
-class EagerEngine:
+class EagerEngine(Engine):
     """`models.Speculator` run eagerly on `device` (CPU, or CUDA where the kernels plug in). Inputs and
     outputs are CPU tensors, like the .pte's. The prefill/verify bounds default to the export stage's."""
 

@@ -25,9 +25,10 @@ prompt goes through target_verify windows (T in [2, max_m]); K outside [1, max_m
 only where drafting cannot pay: near the token budget and the end of the cache. `policy="adaptive"`
 picks each round's K from the acceptance seen so far and the measured verify and draft costs.
 
-An engine with `device_rounds` (runner.cuda_engine) runs a greedy round at a static K itself (K = 0 too):
-`speculate(k, anchor, P)` drafts, verifies, accepts and reseeds on its device and returns `new`, one
-synchronisation per round; the loop around it (budget, stop tokens, metrics) is this one.
+An engine with `device_rounds` (the optional capability of runner.engine.Engine; runner.cuda_engine has it)
+runs a greedy round at a static K itself (K = 0 too): `speculate(k, anchor, P)` drafts, verifies, accepts and
+reseeds on its device and returns `new`, one synchronisation per round; the loop around it (budget, stop
+tokens, metrics) is this one.
 
 Not here: batching, tree drafts, a prefix cache shared across prompts.
 """
@@ -427,7 +428,7 @@ def generate(
     anchor, P = sampler.next_token(pre.next_id, pre.logits), len(prompt)
     out.emit([anchor])
     # an engine with device rounds runs a whole greedy round at a static K itself, with one synchronisation
-    on_device = getattr(engine, "device_rounds", False) and sampler.greedy and policy == "static"
+    on_device = engine.device_rounds and sampler.greedy and policy == "static"
     if k_max > 0 and not out.done:
         draft = Draft(engine, sampler)
         first = draft.seed(prompt[1:] + [anchor], pre.features, 0)

@@ -773,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda.add_argument("--max-prefill-chunk", type=int)
     cuda.add_argument("--min-prefill-chunk", type=int)
     cuda.add_argument("--device", default="cuda")
-    cuda.add_argument("--kernels", action="store_true", help="the INT4 GPU kernels (export.quant=int4)")
+    cuda.add_argument("--kernels", action="store_true", help="the INT4 GPU kernels (runtime.cuda_quant=int4)")
     cuda.add_argument("--no-exact", dest="exact", action="store_false", help="decode at T=1 (runtime.exact=false)")
     args = p.parse_args(argv)
     if args.queue_size < 0 or args.max_body_bytes < 1 or args.drain_s < 0 or args.stream_interval_s < 0:

@@ -24,6 +24,7 @@ from models import Speculator, load_target, save_speculators, save_target, tiny_
 from pipeline.store import Artifact
 from pipeline.stages import export as export_stage
 from pipeline import export_pte as export_lib
+from pipeline import pte_segments
 
 MAX_M, CHAIN, MIN_PREFILL, MAX_PREFILL, MAX_SEQ = 4, 2, 5, 16, 64
 BACKENDS = [("portable", "none"), ("xnnpack", "none")]
@@ -260,7 +261,7 @@ def test_the_program_stores_the_embedding_table_once(exported):
     data = x.path.read_bytes()
     assert data.count(table.numpy().tobytes()) == 1
     assert spec.draft.embed_tokens.weight is spec.target.embed_tokens.weight
-    layout = export_lib.data_layout(data)
+    layout = pte_segments.data_layout(data)
     assert x.report["pte_bytes"] == len(data) and x.report["pte_shared_bytes"] == layout["named_data_shared"]
     if x.backend == "xnnpack" and x.quant == "none":
         assert spec.target.lm_head.weight is spec.target.embed_tokens.weight
@@ -305,10 +306,10 @@ def test_share_constant_bytes_keeps_a_delegated_lm_head_and_one_table(tmp_path):
     before = lowered.to_executorch().buffer
     table = head.embed.weight.detach().numpy().tobytes()
     assert before.count(table) == 2  # the lookup's constant and the delegate's named data
-    after, shared = export_lib.share_constant_bytes(before)
+    after, shared = pte_segments.share_constant_bytes(before)
     assert after.count(table) == 1 and [n for _, n in shared] == [len(table)]
     assert len(after) < len(table) * 1.5 < len(before)
-    assert export_lib.share_constant_bytes(after) == (after, [])
+    assert pte_segments.share_constant_bytes(after) == (after, [])
     (tmp_path / "before.pte").write_bytes(before)
     (tmp_path / "after.pte").write_bytes(after)
     (got,) = call(program(tmp_path / "after.pte"), "forward", tokens)

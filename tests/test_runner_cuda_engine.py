@@ -168,3 +168,25 @@ def test_graph_replays_in_float32_equal_the_eager_module():
             a = generate(eager, prompt, chain=k, max_new_tokens=48)
             b = generate(mine, prompt, chain=k, max_new_tokens=48)
             assert b.output_ids == a.output_ids and b.accepted == a.accepted
+
+
+@pytest.mark.parametrize("cuda_quant, export_quant, kernels", [("none", "int4", False), ("int4", "int4_draft", True)])
+def test_the_cuda_engine_takes_its_kernels_from_runtime_cuda_quant_not_export_quant(monkeypatch, cuda_quant,
+                                                                                   export_quant, kernels):
+    from types import SimpleNamespace
+
+    from hydra import compose, initialize_config_dir
+
+    from pipeline import artifacts
+    from pipeline.app import CONF_DIR
+    from runner import cuda_engine
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["runtime.engine=cuda", f"runtime.cuda_quant={cuda_quant}",
+                                                       f"export.quant={export_quant}", "runtime.exact=true",
+                                                       "runtime.exact_width=8", "export.default_chain=4"])
+    seen = {}
+    monkeypatch.setattr(cuda_engine, "load_cuda_engine", lambda *args, **kw: seen.update(kw) or "engine")
+    upstream = {"target": SimpleNamespace(path="target"), "draft": SimpleNamespace(path="draft")}
+    assert artifacts.load_engine(cfg, upstream) == "engine"
+    assert seen["kernels"] is kernels

@@ -12,6 +12,7 @@ right position. Every method checks its T range like the exported program's (the
 import pytest
 import torch
 
+from runner.engine import Engine
 from runner.generate import generate, prefill_windows
 from runner.policy import AdaptiveChain
 
@@ -31,7 +32,7 @@ def one_hot_logits(ids, n):
     return logits
 
 
-class ToyEngine:
+class ToyEngine(Engine):
     def __init__(self, *, vocab=V, max_m=5, default_chain=3, max_seq_len=64, max_prefill=8, min_prefill=4, wrong=None,
                  target_table=None, draft_table=None, draft_vocab=None):
         self.vocab = vocab
