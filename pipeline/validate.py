@@ -294,9 +294,9 @@ def check_config(cfg: DictConfig) -> None:
     if max_m is not None:
         c.int_in(f"{rt}.chain", 0, max_m - 1, nullable=True)  # 0 = the greedy baseline only
     c.choice(f"{rt}.policy", ("static", "adaptive"))
-    c.choice(f"{rt}.engine", ("pte", "eager", "cuda"))
-    from pipeline.artifacts import CUDA_QUANTS
+    from pipeline.artifacts import CUDA_QUANTS, ENGINES
 
+    c.choice(f"{rt}.engine", ENGINES)
     c.choice(f"{rt}.cuda_quant", CUDA_QUANTS)
     if c.get(f"{rt}.engine") == "cuda":
         import torch
