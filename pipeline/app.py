@@ -328,10 +328,11 @@ class Job:
 
 
 def set_threads(cfg: DictConfig, jobs_at_once: int = 1) -> int:
-    """torch threads: `threads`, or the cores this process may use shared among the jobs running at once
-    (pipeline.hardware). The ExecuTorch runtime's pool follows torch's count when the process loads its first
+    """torch threads: `threads`, or the cores this process may use shared among the jobs running at once, which
+    the CPU training loops may lower to one thread while that steps faster (pipeline.hardware.ThreadGovernor). The ExecuTorch runtime's pool follows torch's count when the process loads its first
     .pte (runner.engine.size_runtime_pool). -> the count."""
     n = int(cfg.get("threads") or max(1, hardware.usable_cores() // max(1, jobs_at_once)))
+    hardware.govern_threads(None if cfg.get("threads") else n)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(n)
     else:

@@ -7,8 +7,11 @@ fp32 GEMM takes 7 rows a pass on AVX-512 and 6 on AVX2, its 8da4w GEMM 8 and 3):
 - `autocast: auto` (target.train, draft.train): bf16 where the device computes it natively (CUDA with bf16;
   a CPU with avx512_bf16 or AMX tiles whose kernels torch and oneDNN may use), fp32 elsewhere.
 - `threads: null`: the cores this process may use (`os.sched_getaffinity`), shared among the jobs that run at
-  once. OpenMP threads wait passively at barriers (`openmp_env`): a spinning thread on a core that another
-  process also wants takes that process's time slices and every barrier waits for it.
+  once, and on the CPU the training loops' `ThreadGovernor` moves between that count and one thread by the
+  step times it measures: two OpenMP threads beside one busy process run 2-3x slower than one thread (every
+  barrier waits for the thread whose core the neighbour holds), and no wait policy fixes both cases (libgomp's
+  default spin-then-sleep is the one that lets one thread run clean once the count drops; PASSIVE halves a
+  quiet machine's speed, ACTIVE keeps the idle thread spinning; `bench/lab/omp_wait.py`).
 - `runtime.exact: auto`: exact mode (runner.engine.ExactEngine) where a row's rounding can flip a token (the
   CUDA engine, an int4 .pte target), and `runtime.exact_width: auto` its call width, the GEMM's row tile.
 - `export.default_chain: auto`: the default K at most 4 and, on XNNPACK, at most the rows its GEMM takes in
@@ -24,7 +27,7 @@ about 7 s) and cached under `~/.cache/eagle3-pipeline/` (`$XDG_CACHE_HOME`), key
 flags, torch's capability and the executorch version. `python -m pipeline.hardware` prints what this machine
 resolves to; `--probe` measures the tile again.
 
-torch is imported inside the functions: `openmp_env` must run before torch is first imported.
+torch is imported inside the functions, so `python -m pipeline.hardware` and the config code load fast.
 """
 
 from __future__ import annotations
@@ -47,18 +50,10 @@ MAX_PROBE_ROWS = 16
 TILE_JUMP = 1.3
 # bf16 against fp32 matmul on a CPU without native bf16 (AVX2 + FMA, 4096x256 @ 256x768, one thread)
 MEASURED_BF16_SLOWDOWN = "9x"
-OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Threads
-
-
-def openmp_env() -> None:
-    """OpenMP threads sleep at barriers instead of spinning (libgomp reads OMP_WAIT_POLICY, Intel's runtime
-    KMP_BLOCKTIME, once, when torch loads them). A value the environment sets wins."""
-    for k, v in OPENMP_ENV.items():
-        os.environ.setdefault(k, v)
 
 
 def usable_cores() -> int:
@@ -67,6 +62,71 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+_governed: int | None = None  # the thread count `threads: null` chose (pipeline.app.set_threads); None: fixed
+
+
+def govern_threads(n: int | None) -> None:
+    """Let training loops move between n threads and one (`threads: null`), or keep the count fixed (None)."""
+    global _governed
+    _governed = n if n and n > 1 else None
+
+
+class ThreadGovernor:
+    """Runs a training loop at whichever of `threads` and one thread steps faster now.
+
+    It keeps the last `trial` step times of each count (the first step after a switch is not counted: the
+    pool wakes up in it); every `every` steps it tries the other count for `trial` steps and keeps the faster
+    by the medians. On a quiet machine that costs about (trial + 1) / every of the steps at the slower count;
+    when a busy process appears or leaves, the loop follows within `every` steps. Disabled (a no-op) where
+    the thread count is fixed by `threads` or one thread is all there is."""
+
+    def __init__(self, device, every: int = 30, trial: int = 3, what: str = "training"):
+        import torch
+
+        self.torch = torch
+        self.current = torch.get_num_threads()
+        hi = _governed if str(device).startswith("cpu") else None
+        self.options = (hi, 1) if hi else ()
+        self.every, self.trial, self.what = every, trial, what
+        self.times: dict[int, list[float]] = {n: [] for n in self.options}
+        self.since, self.trying, self.switches = 0, False, 0
+        if self.options:
+            self._set(hi)
+        self.kept = self.current
+
+    def tick(self, seconds: float) -> None:
+        """Account one step of `seconds`; may change torch's thread count before the next."""
+        if not self.options:
+            return
+        if self.since > 0:
+            self.times[self.current] = (self.times[self.current] + [seconds])[-self.trial:]
+        self.since += 1
+        if self.trying and self.since > self.trial:
+            self.trying = False
+            med = {n: sorted(t)[len(t) // 2] for n, t in self.times.items() if t}
+            best = min(med, key=med.get)
+            if best != self.kept:
+                other = next(n for n in med if n != best)
+                log.info("%s: %d thread(s) now step faster (%.2f s against %.2f s at %d)", self.what, best,
+                         med[best], med[other], other)
+                self.kept = best
+            self._set(best)
+        elif not self.trying and self.since > self.every:
+            self.trying = True
+            self._set(next(n for n in self.options if n != self.current))
+
+    def close(self) -> None:
+        """Back to the governed count, so what runs after the loop starts where every loop starts."""
+        if self.options:
+            self._set(self.options[0])
+
+    def _set(self, n: int) -> None:
+        if n != self.current:
+            self.torch.set_num_threads(n)
+            self.current, self.switches = n, self.switches + 1
+        self.since = 0
 
 
 # ---------------------------------------------------------------------------------------------------------

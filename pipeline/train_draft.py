@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from models import Eagle3Draft
+from pipeline import hardware
 from pipeline.schedule import warmup_cosine
 from models.draft import predicted_tau
 
@@ -382,12 +383,15 @@ def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None
     bar = tqdm(range(start, c.steps), initial=start, total=c.steps, desc="draft", mininterval=2.0,
                dynamic_ncols=True, disable=not progress)
     ema, m = None, {}
+    governor = hardware.ThreadGovernor(device, what="draft training")
     for step in bar:
+        step_t0 = time.perf_counter()
         rows = batch_rows(step, n_rows, c)
         if ddp is not None:
             rows = rows.tensor_split(world)[rank]
         batch = take(train, rows, device)
         m = train_step(draft, opt, batch, head, c, step, used, ddp)
+        governor.tick(time.perf_counter() - step_t0)
         done = step + 1
         distributed.fault_point("draft", done)
         ema = m["loss"] if ema is None else 0.9 * ema + 0.1 * m["loss"]
@@ -402,5 +406,6 @@ def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None
             save_checkpoint(checkpoint, draft, opt, done)
             last_save = time.perf_counter()
     bar.close()
+    governor.close()
     return {"held_out": held, "resumed_at": start, "train_seconds": time.perf_counter() - t0,
             "epochs": c.steps / per_epoch, "loss": m.get("loss")}

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -83,14 +81,51 @@ def test_the_row_tile_is_measured_once_per_machine_and_cached(monkeypatch, tmp_p
     assert hardware.row_tile("none") == first
 
 
-def test_openmp_threads_wait_passively_unless_the_environment_says_otherwise():
-    code = "import os, pipeline; print(os.environ['OMP_WAIT_POLICY'], os.environ['KMP_BLOCKTIME'])"
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["PASSIVE", "0"]
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
-                         text=True, check=True)
-    assert out.stdout.split() == ["ACTIVE", "0"]
+def run_governor(gov, seconds_at, steps):
+    """Drive `gov` for `steps` steps whose time is seconds_at(threads now); -> the thread count of every step."""
+    counts = []
+    for _ in range(steps):
+        counts.append(torch.get_num_threads())
+        gov.tick(seconds_at(counts[-1]))
+    return counts
+
+
+def test_the_thread_governor_keeps_whichever_count_steps_faster_and_follows_a_change(monkeypatch):
+    import random
+
+    n = torch.get_num_threads()
+    rng = random.Random()
+    fast, slow = sorted(rng.uniform(0.1, 2.0) for _ in range(2))
+    slow = max(slow, 1.3 * fast)  # apart by more than the noise below
+    noise = lambda: rng.uniform(0.97, 1.03)  # noqa: E731
+    try:
+        torch.set_num_threads(1)
+        hardware.govern_threads(2)
+        gov = hardware.ThreadGovernor("cpu", every=20, trial=3)  # 4 of every 25 steps try the other
+        assert torch.get_num_threads() == 2  # a governed loop starts at the governed count
+        quiet = run_governor(gov, lambda t: (fast if t == 2 else slow) * noise(), 60)
+        assert quiet.count(2) > 0.8 * len(quiet)
+        busy = run_governor(gov, lambda t: (slow if t == 2 else fast) * noise(), 60)  # a neighbour arrives
+        assert busy[-30:].count(1) > 0.8 * 30
+        again = run_governor(gov, lambda t: (fast if t == 2 else slow) * noise(), 60)  # and leaves
+        assert again[-30:].count(2) > 0.8 * 30
+        gov.close()
+        assert torch.get_num_threads() == 2
+    finally:
+        hardware.govern_threads(None)
+        torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("governed, device", [(None, "cpu"), (1, "cpu"), (2, "cuda")])
+def test_the_thread_governor_leaves_a_fixed_count_alone(governed, device):
+    n = torch.get_num_threads()
+    try:
+        hardware.govern_threads(governed)
+        gov = hardware.ThreadGovernor(device, every=2, trial=1)
+        assert set(run_governor(gov, lambda t: 1.0 / t if t > 1 else 5.0, 20)) == {n}
+    finally:
+        hardware.govern_threads(None)
+        torch.set_num_threads(n)
 
 
 def test_default_threads_are_the_cores_this_process_may_use(monkeypatch):
@@ -109,7 +144,11 @@ def test_default_threads_are_the_cores_this_process_may_use(monkeypatch):
     n = torch.get_num_threads()
     try:
         assert set_threads(OmegaConf.create({"threads": None})) == 6
+        assert hardware._governed == 6
         assert set_threads(OmegaConf.create({"threads": None}), jobs_at_once=4) == 1
+        assert hardware._governed is None  # one thread each: nothing to choose
         assert set_threads(OmegaConf.create({"threads": 3})) == 3 == torch.get_num_threads()
+        assert hardware._governed is None  # the user's count stays
     finally:
+        hardware.govern_threads(None)
         torch.set_num_threads(n)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import data, tracking
+from pipeline import data, hardware, tracking
 from pipeline.stages import PARAM_BYTES, param_count
 from pipeline.schedule import warmup_cosine
 from pipeline.store import dir_fingerprint, scratch_dir
@@ -282,7 +282,9 @@ def train(cfg: DictConfig, out: Path) -> dict:
 
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="target", mininterval=2.0,
                dynamic_ncols=True)
+    governor = hardware.ThreadGovernor(device, what="target training")
     for step in bar:
+        step_t0 = time.perf_counter()
         lr = warmup_cosine(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup, steps=t.steps)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -297,6 +299,7 @@ def train(cfg: DictConfig, out: Path) -> dict:
         opt.step()
         tokens_done += x.numel()
         loss_value = loss.item()
+        governor.tick(time.perf_counter() - step_t0)
         loss_ema = loss_value if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_value
         bar.set_postfix(loss=f"{loss_ema:.3f}", held=f"{held_loss:.3f}")
         done = step + 1
@@ -312,6 +315,7 @@ def train(cfg: DictConfig, out: Path) -> dict:
             os.replace(tmp, ckpt)
             last_save = time.perf_counter()
     bar.close()
+    governor.close()
     train_seconds = time.perf_counter() - train_t0
 
     model = model.cpu().eval()
