@@ -78,7 +78,7 @@ class ThreadGovernor:
 
     It keeps the last `trial` step times of each count (the first step after a switch is not counted: the
     pool wakes up in it); every `every` steps it tries the other count for `trial` steps and keeps the faster
-    by the medians. On a quiet machine that costs about (trial + 1) / every of the steps at the slower count;
+    by the medians; the first trial follows the first `trial` + 1 steps. On a quiet machine that costs about (trial + 1) / every of the steps at the slower count;
     when a busy process appears or leaves, the loop follows within `every` steps. Disabled (a no-op) where
     the thread count is fixed by `threads` or one thread is all there is."""
 
@@ -94,6 +94,7 @@ class ThreadGovernor:
         self.since, self.trying, self.switches = 0, False, 0
         if self.options:
             self._set(hi)
+            self.since = max(0, every - trial - 1)  # the first trial comes early: a neighbour may be there already
         self.kept = self.current
 
     def tick(self, seconds: float) -> None:
