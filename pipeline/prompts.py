@@ -5,18 +5,24 @@ eval stage decodes, built the same way for both so that the draft trains on the 
 - `plain`: windows of corpus text (what a base model continues);
 - `chat`: requests built from the split's docstrings ("Write a Python function `name(args)`. <docstring>"),
   wrapped in the target's chat template with a generation prompt, so an instruct model answers them. The
-  target's own greedy answer is then the draft's training text (the taps stage's `generate` source).
+  target's own greedy answer is then the draft's training text (the taps stage's `generate` source). When the
+  docstrings long enough for the prompt run out, requests to explain the split's functions and classes
+  ("Explain what this Python code does." and the code) follow: a standard library has about one long
+  docstring for every five definitions, and a GPU's taps ask for more prompts than the docstrings give. The
+  docstring requests come first, so a set of prompts the docstrings can fill is the same with or without the
+  second kind.
 
 Every prompt has exactly `length` tokens, because the taps stage decodes a batch of prompts over one set of
 cache positions. A chat prompt is the template's ids before the message, the request's first n ids and the
 template's ids after it, with n chosen to make the total `length`; the cut falls where the next request token
-starts a new word (a leading space or newline), so a request ends on a whole word. Requests shorter than n
-tokens, or without a word start at n, are skipped.
+starts a new word (a leading space or newline), or in code anywhere outside a name or number, so a request ends
+on a whole word. Requests shorter than n tokens, or without such a boundary at n, are skipped.
 """
 
 from __future__ import annotations
 
 import ast
+import textwrap
 from collections.abc import Sequence
 
 import numpy as np
@@ -63,18 +69,22 @@ def plain_prompts(texts: Sequence[str], tokenizer, n: int, length: int, seed: in
     raise ValueError(f"could not cut {n} windows of {length} tokens from the corpus (documents too short?)")
 
 
-def docstring_requests(source: str) -> list[str]:
-    """One request per documented function or class of a Python source (none when it does not parse)."""
+def _definitions(source: str) -> list[ast.AST]:
+    """The public functions and classes of a Python source in walk order (none when it does not parse)."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                      ast.ClassDef)) and not node.name.startswith("_")]
+
+
+def docstring_requests(source: str) -> list[str]:
+    """One request per documented public function or class of a Python source."""
     requests = []
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            continue
+    for node in _definitions(source):
         doc = ast.get_docstring(node)
-        if not doc or node.name.startswith("_"):
+        if not doc:
             continue
         doc = " ".join(doc.split())
         if isinstance(node, ast.ClassDef):
@@ -83,6 +93,16 @@ def docstring_requests(source: str) -> list[str]:
             args = ", ".join(a.arg for a in node.args.args)
             requests.append(f"Write a Python function `{node.name}({args})`. {doc}")
     return requests
+
+
+def code_requests(source: str) -> list[str]:
+    """One request per public function or class of a Python source: explain its code, docstring included."""
+    lines = source.splitlines()
+    return [EXPLAIN + textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+            for node in _definitions(source)]
+
+
+EXPLAIN = "Explain what this Python code does.\n\n"
 
 
 def chat_prompts(texts: Sequence[str], tokenizer, template: str, n: int, length: int, seed: int) -> torch.Tensor:
@@ -99,22 +119,25 @@ def chat_prompts(texts: Sequence[str], tokenizer, template: str, n: int, length:
     if room < 8:
         raise ValueError(f"prompt length {length} leaves {room} tokens for the request after the chat template's "
                          f"{len(head) + len(tail)}: raise the prompt length")
-    requests = [r for t in texts for r in docstring_requests(t)]
-    if not requests:
-        raise ValueError("data.prompt_format=chat: the split has no documented Python function or class "
-                         "to build requests from")
-    order = np.random.default_rng(seed).permutation(len(requests))
     out = []
-    for start in range(0, len(order), 4 * n):
-        batch = [requests[i] for i in order[start : start + 4 * n]]
-        for enc in tokenizer.encode_batch(batch, add_special_tokens=False):
-            ids = enc.ids
-            if len(ids) > room and _starts_word(tokenizer, ids[room]):
-                out.append(head + ids[:room] + tail)
-                if len(out) == n:
-                    return torch.tensor(out, dtype=torch.int64)
-    raise ValueError(f"data.prompt_format=chat: only {len(out)} of {n} requests of the split are long enough for "
-                     f"prompts of {length} tokens; lower the prompt length or the number of prompts")
+    for kind in (docstring_requests, code_requests):
+        requests = [r for t in texts for r in kind(t)]
+        order = np.random.default_rng(seed).permutation(len(requests))
+        for start in range(0, len(order), 4 * n):
+            batch = [requests[i] for i in order[start : start + 4 * n]]
+            for enc in tokenizer.encode_batch(batch, add_special_tokens=False):
+                ids = enc.ids
+                if len(ids) > room and (_starts_word(tokenizer, ids[room]) or
+                                        kind is code_requests and not _inside_name(tokenizer, ids, room)):
+                    out.append(head + ids[:room] + tail)
+                    if len(out) == n:
+                        return torch.tensor(out, dtype=torch.int64)
+    if not out:
+        raise ValueError("data.prompt_format=chat: the split has no public Python function or class to build "
+                         "requests from")
+    raise ValueError(f"data.prompt_format=chat: only {len(out)} of {n} requests of the split (docstrings, then "
+                     f"code to explain) are long enough for prompts of {length} tokens; lower the prompt length or "
+                     f"the number of prompts")
 
 
 def _starts_word(tokenizer, token_id: int) -> bool:
@@ -122,3 +145,10 @@ def _starts_word(tokenizer, token_id: int) -> bool:
     SentencePiece ▁ (a decoded single token may lose its leading space, its spelling does not)."""
     piece = tokenizer.id_to_token(token_id) or ""
     return piece[:1] in ("Ġ", "Ċ", "▁", " ", "\n", "\t")
+
+
+def _inside_name(tokenizer, ids: list[int], k: int) -> bool:
+    """True when a cut before ids[k] splits an identifier or number: code may end before a bracket or a dot."""
+    left, right = tokenizer.decode(ids[k - 1 : k]), tokenizer.decode(ids[k : k + 1])
+    word = lambda c: c.isalnum() or c == "_"  # noqa: E731
+    return bool(left and right) and word(left[-1]) and word(right[0])

@@ -82,6 +82,40 @@ def test_chat_prompts_have_the_length_the_template_and_a_whole_word_request(corp
     assert prompts.cut(texts, tok, n, length, 4, "chat", CHATML).tolist() != out.tolist()
 
 
+def test_code_requests_explain_each_public_definition_dedented():
+    src = 'class Box:\n    def put(self, item):\n        return item\n\ndef _hidden():\n    pass\n'
+    assert prompts.code_requests(src) == [
+        prompts.EXPLAIN + "class Box:\n    def put(self, item):\n        return item",
+        prompts.EXPLAIN + "def put(self, item):\n    return item"]
+    assert prompts.code_requests("this is not python (") == []
+
+
+def test_chat_prompts_explain_code_once_the_docstrings_run_out(corpus):
+    texts, tok = corpus
+    length = 64
+    before, _, after = prompts.render_chat(CHATML, "\x00", tok).partition("\x00")
+    head = len(tok.encode(before, add_special_tokens=False).ids)
+    tail = len(tok.encode(after, add_special_tokens=False).ids)
+    room = length - head - tail
+    encoded = [tok.encode(r, add_special_tokens=False).ids for t in texts for r in prompts.docstring_requests(t)]
+    usable = [ids for ids in encoded if len(ids) > room and prompts._starts_word(tok, ids[room])]
+    seed = random.randrange(1000)
+    n = len(usable) + random.randint(5, 20)
+    out = prompts.cut(texts, tok, n, length, seed, "chat", CHATML)
+    bodies = [tok.decode(row[head:length - tail]) for row in out.tolist()]
+    kinds = [b.startswith(prompts.EXPLAIN.strip()) for b in bodies]
+    assert any(kinds) and not all(kinds)
+    assert kinds == sorted(kinds), "every docstring request comes before the first code request"
+    code = [r for t in texts for r in prompts.code_requests(t)]
+    for body in (b for b, k in zip(bodies, kinds) if k):
+        full = next(r for r in code if r.startswith(body))
+        assert not (full[len(body) - 1].isalnum() and full[len(body)].isalnum()), "a cut inside a name"
+    assert len({tuple(r) for r in out.tolist()}) == n
+    assert sum(not k for k in kinds) == len(usable)
+    few = prompts.cut(texts, tok, 12, length, seed, "chat", CHATML)
+    assert out[:12].tolist() == few.tolist(), "prompts the docstrings fill do not depend on the code requests"
+
+
 def test_chat_prompts_refuse_what_they_cannot_build(corpus):
     texts, tok = corpus
     with pytest.raises(ValueError, match="needs a target with a chat template"):
@@ -90,7 +124,7 @@ def test_chat_prompts_refuse_what_they_cannot_build(corpus):
         prompts.cut(texts, tok, 4, 10, 0, "chat", CHATML)
     with pytest.raises(ValueError, match="only .* of 500 requests"):
         prompts.cut(texts, tok, 500, 64, 0, "chat", CHATML)
-    with pytest.raises(ValueError, match="no documented Python function"):
+    with pytest.raises(ValueError, match="no public Python function or class"):
         prompts.cut(["just prose, no code at all " * 20], tok, 4, 64, 0, "chat", CHATML)
     with pytest.raises(ValueError, match="prompt_format='markdown'"):
         prompts.cut(texts, tok, 4, 64, 0, "markdown", CHATML)
