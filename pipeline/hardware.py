@@ -78,8 +78,8 @@ class ThreadGovernor:
 
     It keeps the last `trial` step times of each count (the first step after a switch is not counted: the
     pool wakes up in it); every `every` steps it tries the other count for `trial` steps and keeps the faster
-    by the medians; the first trial follows the first `trial` + 1 steps. On a quiet machine that costs about (trial + 1) / every of the steps at the slower count;
-    when a busy process appears or leaves, the loop follows within `every` steps. Disabled (a no-op) where
+    by the medians; the first trial follows the first `trial` + 1 steps. On a quiet machine that costs about
+    (trial + 1) / every of the steps at the slower count; when a busy process appears or leaves, the loop follows within `every` steps. Disabled (a no-op) where
     the thread count is fixed by `threads` or one thread is all there is."""
 
     def __init__(self, device, every: int = 30, trial: int = 3, what: str = "training"):

@@ -8,7 +8,7 @@ eval stage decodes, built the same way for both so that the draft trains on the 
   target's own greedy answer is then the draft's training text (the taps stage's `generate` source). When the
   docstrings long enough for the prompt run out, requests to explain the split's functions and classes
   ("Explain what this Python code does." and the code) follow: a standard library has about one long
-  docstring for every five definitions, and a GPU's taps ask for more prompts than the docstrings give. The
+  docstring for every six definitions, and a GPU's taps ask for more prompts than the docstrings give. The
   docstring requests come first, so a set of prompts the docstrings can fill is the same with or without the
   second kind.
 
@@ -95,6 +95,9 @@ def docstring_requests(source: str) -> list[str]:
     return requests
 
 
+EXPLAIN = "Explain what this Python code does.\n\n"
+
+
 def code_requests(source: str) -> list[str]:
     """One request per public function or class of a Python source: explain its code, docstring included."""
     lines = source.splitlines()
@@ -102,11 +105,8 @@ def code_requests(source: str) -> list[str]:
             for node in _definitions(source)]
 
 
-EXPLAIN = "Explain what this Python code does.\n\n"
-
-
 def chat_prompts(texts: Sequence[str], tokenizer, template: str, n: int, length: int, seed: int) -> torch.Tensor:
-    """n chat prompts [n, length] of docstring requests from `texts`, drawn in a seeded order."""
+    """n chat prompts [n, length] from `texts`: docstring requests, then code requests, each in a seeded order."""
     if not template:
         raise ValueError("data.prompt_format=chat needs a target with a chat template (chat_template.jinja in "
                          "its artifact); this target has none: use data.prompt_format=plain")
@@ -119,9 +119,10 @@ def chat_prompts(texts: Sequence[str], tokenizer, template: str, n: int, length:
     if room < 8:
         raise ValueError(f"prompt length {length} leaves {room} tokens for the request after the chat template's "
                          f"{len(head) + len(tail)}: raise the prompt length")
-    out = []
+    out, seen = [], 0
     for kind in (docstring_requests, code_requests):
         requests = [r for t in texts for r in kind(t)]
+        seen += len(requests)
         order = np.random.default_rng(seed).permutation(len(requests))
         for start in range(0, len(order), 4 * n):
             batch = [requests[i] for i in order[start : start + 4 * n]]
@@ -132,7 +133,7 @@ def chat_prompts(texts: Sequence[str], tokenizer, template: str, n: int, length:
                     out.append(head + ids[:room] + tail)
                     if len(out) == n:
                         return torch.tensor(out, dtype=torch.int64)
-    if not out:
+    if not seen:
         raise ValueError("data.prompt_format=chat: the split has no public Python function or class to build "
                          "requests from")
     raise ValueError(f"data.prompt_format=chat: only {len(out)} of {n} requests of the split (docstrings, then "
