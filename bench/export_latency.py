@@ -12,8 +12,8 @@
 
 Every program is loaded into ONE process and timed side by side: each repetition times every case of
 every program in turn, so a load change on a shared machine hits all of them alike; the rows are the
-medians over all repetitions (compare ratios, not absolute times, between runs). One thread throughout
-(torch and the ExecuTorch threadpool) unless --threads says otherwise.
+medians over all repetitions (compare ratios, not absolute times, between runs). One thread in the
+ExecuTorch threadpool unless --threads says otherwise; torch's own at one, as runner.engine runs a program.
 
 Latency is the runtime's own `execute()` of the loaded method (inputs are set beforehand and outputs are
 not copied, via the pybinding's set_inputs / execute), with a 64-token prefill (and the draft seeded on its
@@ -217,14 +217,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="directory for --random .pte files (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--reps", type=int, default=10, help="interleaved repetitions (calls are split among them)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads and the runtime threadpool size")
+    ap.add_argument("--threads", type=int, default=1, help="the runtime threadpool size (torch runs at one thread, as in runner.engine)")
     args = ap.parse_args(argv)
 
     if args.row_tile:
         from executorch.extension.pybindings import portable_lib
 
-        torch.set_num_threads(args.threads)
         portable_lib._unsafe_reset_threadpool(args.threads)
+        torch.set_num_threads(1)  # as runner.engine runs a program: the pool has the threads
         from pipeline.hardware import cpu_fingerprint
 
         result = {"machine": cpu_fingerprint(), "load_avg_1min": os.getloadavg()[0], **row_tile()}
@@ -244,8 +244,8 @@ def main(argv=None) -> int:
 
     from executorch.extension.pybindings import portable_lib
 
-    torch.set_num_threads(args.threads)
     portable_lib._unsafe_reset_threadpool(args.threads)
+    torch.set_num_threads(1)  # as runner.engine runs a program: the pool has the threads
     print(f"runtime threads: {portable_lib._threadpool_get_thread_count()}, torch threads: {torch.get_num_threads()}, "
           f"load: {os.getloadavg()[0]:.2f}")
     rows = []

@@ -1,5 +1,6 @@
 """The Hydra pipeline: stages (pipeline/stages/), the artifact store, MLflow tracking (see README.md)."""
 
-from models import quiet
+from models import quiet, threads
 
 quiet.install()
+threads.openmp_default()

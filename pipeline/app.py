@@ -328,15 +328,16 @@ class Job:
 
 
 def set_threads(cfg: DictConfig, jobs_at_once: int = 1) -> int:
-    """torch threads: `threads`, or the cores this process may use shared among the jobs running at once, which
-    the CPU training loops may lower to one thread while that steps faster (pipeline.hardware.ThreadGovernor). The ExecuTorch runtime's pool follows torch's count when the process loads its first
-    .pte (runner.engine.size_runtime_pool). -> the count."""
+    """torch threads of this (the main) thread: `threads`, or the cores this process may use shared among the jobs
+    running at once, which the CPU training loops may lower to one thread while that steps faster
+    (pipeline.hardware.ThreadGovernor). The ExecuTorch runtime's pool takes this count when the process loads
+    its first .pte (runner.engine.size_runtime_pool); every other thread's OpenMP team stays at one
+    (models/threads.py). -> the count."""
+    import torch
+
     n = int(cfg.get("threads") or max(1, hardware.usable_cores() // max(1, jobs_at_once)))
     hardware.govern_threads(None if cfg.get("threads") else n)
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(n)
-    else:
-        os.environ["OMP_NUM_THREADS"] = str(n)  # read by torch when it is first imported
+    torch.set_num_threads(n)
     return n
 
 

@@ -42,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 
+from models.threads import usable_cores
+
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -54,14 +56,6 @@ MEASURED_BF16_SLOWDOWN = "9x"
 
 # ---------------------------------------------------------------------------------------------------------
 # Threads
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 _governed: int | None = None  # the thread count `threads: null` chose (pipeline.app.set_threads); None: fixed

@@ -2,6 +2,7 @@
 modules, or CUDA graphs), its chain policies (runner.policy) and the server (runner.serve); the text facts it
 reads (stop tokens, chat templates, prompt files) are models.text. The package itself imports no torch."""
 
-from models import quiet
+from models import quiet, threads
 
 quiet.install()
+threads.openmp_default()

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from models.text import read_prompt_file, stop_ids
-from runner.engine import ExactEngine, PteEngine
+from runner.engine import ExactEngine, PteEngine, set_threads
 from runner.generate import generate
 from runner.policy import POLICIES
 
@@ -60,10 +60,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="exact mode (runtime.exact_width): every target call W rows over the whole cache, so every "
                         "K gives K=0's tokens bit for bit (an int4 .pte); W in [2, max_m], K <= W-1")
     p.add_argument("--rounds", action="store_true", help="print K, accepted, emitted and timings of every round")
+    p.add_argument("--threads", type=int, default=None,
+                   help="the runtime's CPU threads (default: the cores this process may use)")
     args = p.parse_args(argv)
 
     from tokenizers import Tokenizer
 
+    set_threads(args.threads)
     # first: a file that is no program, differs from its manifest or does not fit the tokenizer is refused
     engine = PteEngine(args.pte, tokenizer=args.tokenizer)
     if args.exact_width is not None:

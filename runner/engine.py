@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import pathlib
 import re
 from typing import Protocol
@@ -178,15 +179,28 @@ def _pairing_facts(path: pathlib.Path, manifest_hash: str, tokenizer: pathlib.Pa
 
 
 _POOL_SIZED = False
+
+
+def set_threads(n: int | None = None) -> int:
+    """The CPU threads a .pte runs on: `n`, or the cores this process may use; set before the first program
+    loads (size_runtime_pool takes torch's count then). -> the count."""
+    from models.threads import usable_cores
+
+    n = n or usable_cores()
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+    return n
 _POOL_NATIVE = re.compile(r"^\[(cpuinfo_utils\.cpp|threadpool\.cpp):\d+\]")  # the CPU probe, the resize
 
 
 def size_runtime_pool() -> None:
-    """Size ExecuTorch's CPU threadpool, which XNNPACK's kernels run on, to torch's thread count (what the
-    pipeline's `threads` sets), once per process, before its first program is loaded. A .pte's speed follows
-    this pool, not torch's threads (SmolLM2's decode on 2 cores: 38.7 ms with 1 pool thread, 21.4 ms with 2,
-    whatever torch's count), and the runtime sizes it to the machine's cores on its own. Resizing it after a
-    program has run is unsafe (`_unsafe_reset_threadpool`), so later loads keep it."""
+    """Size ExecuTorch's CPU threadpool, which XNNPACK's kernels run on, to torch's thread count in this thread
+    (what the pipeline's `threads` and the runner's `--threads` set), once per process, before its first
+    program is loaded. A .pte's speed follows this pool (SmolLM2's decode on 2 cores: 38.7 ms with 1 pool
+    thread, 21.4 ms with 2), and the runtime sizes it to the machine's cores on its own. Resizing it after a
+    program has run is unsafe (`_unsafe_reset_threadpool`), so later loads keep it. While a program runs, torch's
+    own count is one (`PteEngine._run`; models/threads.py says why)."""
     global _POOL_SIZED
     if _POOL_SIZED:
         return
@@ -196,6 +210,11 @@ def size_runtime_pool() -> None:
     with quiet.native_stderr(_POOL_NATIVE):  # the pool's creation probes the CPU
         if portable_lib._threadpool_get_thread_count() != threads:
             portable_lib._unsafe_reset_threadpool(threads)
+    if threads > 1 and os.environ.get("OMP_NUM_THREADS") != "1":
+        log.warning("OMP_NUM_THREADS is %s, not 1, since torch loaded before runner/: the program's custom ops "
+                    "will open OpenMP teams beside the runtime's %d threads, and a verify call runs up to 3.7x "
+                    "slower (models/threads.py); set OMP_NUM_THREADS=1 before Python starts, or import runner "
+                    "before torch", os.environ.get("OMP_NUM_THREADS", "unset"), threads)
     _POOL_SIZED = True
 
 
@@ -244,7 +263,14 @@ class PteEngine(Engine):
         return self.program.load_method(name).execute([])
 
     def _run(self, name: str, *inputs):
-        return tuple(self._methods[name].execute(list(inputs)))  # outputs are copied out on every call
+        """One call of a method, its outputs copied out, with this thread's OpenMP team at one: the program's
+        custom ops would otherwise open a team of torch's size beside the runtime's pool (models/threads.py)."""
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return tuple(self._methods[name].execute(list(inputs)))
+        finally:
+            torch.set_num_threads(n)
 
     def prefill(self, tokens, input_pos):
         return self._run("prefill", tokens, input_pos)

@@ -756,6 +756,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the default temperature of a request")
     p.add_argument("--seed", type=int, default=Settings.seed, help="the default seed of a request")
     p.add_argument("--stop", nargs="*", default=[], help="extra stop tokens (strings or ids), for every request")
+    p.add_argument("--threads", type=int, default=None,
+                   help="the runtime's CPU threads (default: the cores this process may use)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
@@ -786,8 +788,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "pte":
         if args.pte is None:
             p.error("--engine pte needs --pte")
-        from runner.engine import ExactEngine, PteEngine
+        from runner.engine import ExactEngine, PteEngine, set_threads
 
+        set_threads(args.threads)
         engine = PteEngine(args.pte, tokenizer=args.tokenizer)  # first: a .pte unlike its manifest is refused
         if args.exact_width is not None:
             engine = ExactEngine(engine, args.exact_width)

@@ -5,6 +5,9 @@ A random tiny draft is almost never right: `Oracle` (tests/oracle.py) drives the
 real target methods.
 """
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -217,6 +220,46 @@ def test_the_runtime_pool_takes_torchs_thread_count_at_the_first_load(tiny_pte, 
     out = subprocess.run([sys.executable, "-c", code, str(tiny_pte.path), str(threads)], capture_output=True,
                          text=True, check=True, cwd=pathlib.Path(__file__).resolve().parents[1])
     assert out.stdout.strip().splitlines()[-1] == f"pool {threads}"
+
+
+def _fresh(code: str, *args, drop_omp: bool = False):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not (drop_omp and k == "OMP_NUM_THREADS")}
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, check=True,
+                          env=env, cwd=pathlib.Path(__file__).resolve().parents[1], timeout=120)
+
+
+# libgomp's default team for a thread torch never set (as the runtime's workers), read in a new thread
+_OMP_DEFAULT = ("import ctypes, pathlib, threading; lib = ctypes.CDLL(str(pathlib.Path(torch.__file__).parent / 'lib' / "
+                "'libgomp.so.1')); seen = []; t = threading.Thread(target=lambda: seen.append(lib.omp_get_max_threads())); "
+                "t.start(); t.join(); ")
+
+
+@pytest.mark.skipif(not (Path(torch.__file__).parent / "lib" / "libgomp.so.1").is_file(), reason="torch without libgomp")
+def test_threads_torch_never_set_open_teams_of_one_and_a_call_keeps_the_callers_count(tiny_pte):
+    """A process that imports runner before torch: libgomp's default team (what a thread torch never set, as
+    the runtime's workers, opens) is one, the main thread keeps the count set_threads gave it, and a program
+    call leaves that count as it found it; a process that loads torch first keeps the default at all cores
+    (models/threads.py)."""
+    code = ("import sys; import runner, torch; from runner.engine import PteEngine, set_threads; set_threads(2); "
+            + _OMP_DEFAULT + "e = PteEngine(sys.argv[1]); e.target_decode(torch.tensor([[1]]), torch.tensor([0])); "
+            "print(seen[0], torch.get_num_threads())")
+    assert _fresh(code, tiny_pte.path, drop_omp=True).stdout.split()[-2:] == ["1", "2"]
+    first = "import sys, torch; import runner; " + _OMP_DEFAULT + "print(seen[0])"
+    assert _fresh(first, tiny_pte.path, drop_omp=True).stdout.split()[-1] == str(len(os.sched_getaffinity(0)))
+
+
+def test_a_pool_beside_teams_of_all_cores_is_warned_about_naming_the_variable(tiny_pte):
+    """torch loaded before runner/ with OMP_NUM_THREADS unset: the first load says what it costs and the fix."""
+    code = ("import sys, torch; torch.set_num_threads(2); from runner.engine import PteEngine; PteEngine(sys.argv[1])")
+    err = _fresh(code, tiny_pte.path, drop_omp=True).stderr
+    assert "OMP_NUM_THREADS is unset, not 1" in err and "import runner before torch" in err
+    ok = "import sys; import runner, torch; torch.set_num_threads(2); from runner.engine import PteEngine; PteEngine(sys.argv[1])"
+    assert "OMP_NUM_THREADS" not in _fresh(ok, tiny_pte.path, drop_omp=True).stderr
 
 
 # --- the runner checks its inputs (issue 45) ----------------------------------------------------------------
