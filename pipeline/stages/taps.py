@@ -51,7 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.text import end_ids, load_chat_template
-from pipeline import data, distributed, prompts, tracking
+from pipeline import data, distributed, hardware, prompts, tracking
 from pipeline.artifacts import TAPS_FIELDS, TAPS_INDEX, TAPS_SPLITS
 from pipeline.store import scratch_dir, sha256_file
 
@@ -65,8 +65,9 @@ CONFIG_KEYS = ("data", "taps", "seed")
 
 # --- the target, batched -----------------------------------------------------------------------------
 @torch.no_grad()
-def generate_tapped(target, prompts: torch.Tensor, seq_len: int) -> dict[str, torch.Tensor]:
+def generate_tapped(target, prompts: torch.Tensor, seq_len: int, tick=None) -> dict[str, torch.Tensor]:
     """Greedy continuation of prompts [B,P] to seq_len tokens; ids, taps, final, top1 of every position.
+    `tick(seconds)` hears each decode step's time (a hardware.ThreadGovernor's).
 
     The target itself runs the batch, on a [B, kv, seq_len, hd] cache of its own layers (setup_cache), so
     the states tapped here are the ones its exported methods compute; the batch-1 cache is restored after."""
@@ -87,8 +88,11 @@ def generate_tapped(target, prompts: torch.Tensor, seq_len: int) -> dict[str, to
     try:
         nxt = step(prompts, torch.arange(P, device=dev))
         for t in range(P, seq_len):
+            t0 = time.perf_counter()
             ids[:, t] = nxt
             nxt = step(ids[:, t : t + 1], torch.tensor([t], device=dev))
+            if tick is not None:
+                tick(time.perf_counter() - t0)
     finally:
         target.setup_cache()
     return {"ids": ids, **{name: torch.cat(parts, dim=1) for name, parts in out.items()}}
@@ -202,6 +206,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     resumed, generated, written, t_gen = 0, 0, 0, time.perf_counter()
     bar = tqdm(total=sum(min(per_shard, len(sequences[s]) - i * per_shard) for s, i in mine), desc="taps",
                unit="seq", mininterval=2.0, dynamic_ncols=True, disable=not distributed.is_main())
+    governor = hardware.ThreadGovernor(device, what="taps")  # generation, like training, beside a busy neighbour
     for split, i in mine:
         T, P = lengths[split]
         name = shard_name(split, i)
@@ -214,7 +219,8 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         pieces = []
         for b in range(0, len(part), bs):
             x = part[b : b + bs].to(device)
-            piece = generate_tapped(target, x, T) if source == "generate" else tap_sequences(target, x)
+            piece = (generate_tapped(target, x, T, governor.tick) if source == "generate"
+                     else tap_sequences(target, x))
             piece["mask"] = (generation_mask(piece["ids"], P, ends, bool(tc.mask_prompt))
                              if source == "generate" else torch.ones_like(piece["ids"], dtype=torch.bool))
             pieces.append({k: v.cpu() for k, v in piece.items()})
@@ -224,6 +230,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         distributed.fault_point("taps", written)
         tracking.log_metrics({"shards_done": resumed + written}, step=resumed + written)
     bar.close()
+    governor.close()
     gen_seconds = time.perf_counter() - t_gen
     distributed.barrier("taps: every rank wrote its shards")
     resumed, generated = (int(v) for v in distributed.all_sum([resumed, generated], "taps shards"))
