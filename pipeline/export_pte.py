@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import logging
 import operator
 import time
@@ -470,7 +471,6 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     with _tracing_mode(speculator), _export_graph(speculator, attention, fc_norms):
         for name, (wrap, args, dynamic_shapes, (lo, hi)) in specs.items():
             if saved and (program := load_lowered(saved[name])) is not None:
-                lowered[name] = program
                 resumed.append(name)
                 bar.update(2)
             else:
@@ -482,16 +482,14 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
                 bar.update()
                 bar.set_postfix_str(f"lower {name}")
                 t0 = time.perf_counter()
-                lowered[name] = to_edge_transform_and_lower(
+                program = to_edge_transform_and_lower(
                     {name: ep}, partitioner={name: partitioners} if partitioners else None,
                     compile_config=compile_config).exported_program(name)
                 del ep
                 timings[f"lower_{name}_s"] = time.perf_counter() - t0
                 if saved:
-                    save_lowered(lowered[name], saved[name])
-                    lowered[name] = None  # emitted from the saved file, as a resumed run does
+                    save_lowered(program, saved[name])
                 bar.update()
-            program = lowered[name] if lowered[name] is not None else load_lowered(saved[name])
             delegates, outside = graph_ops(program)
             listing = [f"{op} x{n}" for op, n in outside.items()]
             report.setdefault("delegate_calls", {})[name] = delegates
@@ -502,9 +500,15 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
                      delegates, sum(outside.values()),
                      " (portable kernels: no delegate)" if backend == "portable" else
                      ": " + (", ".join(listing) or "none"))
-            lowered[name] = program
+            # A saved method waits on disk, so one lowered method is in memory while the next one lowers
+            # (Gemma 3's fp32 target: each holds its packed weights, about 1 GB, and lowering copies them).
+            lowered[name] = None if saved else program
+            del program
+            gc.collect()
     bar.close()
     report["methods_resumed"] = resumed
+    # every method is emitted from its saved file, as a resumed run does, so both write the same bytes
+    lowered = {name: load_lowered(saved[name]) if program is None else program for name, program in lowered.items()}
 
     constants = constant_methods(speculator, max_m=max_m, default_chain=default_chain,
                                  max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,
