@@ -25,8 +25,9 @@ KNOWN = {
     "torchao": re.compile(r"Failed to load .*torchao/_C[^/]*\.so"),
     # torchao registers an Enum as a pytree constant, which torch 2.13 deprecates with a warning per import.
     "torch.utils._pytree": re.compile(r"is an Enum subclass and is now natively supported"),
-    # ExecuTorch logs each constant it duplicates while lowering, on the root logger.
-    "root": re.compile(r"^Copying constant nodes "),
+    # ExecuTorch logs each constant it duplicates while lowering, and where it finds its custom ops library
+    # when a process first loads it, on the root logger.
+    "root": re.compile(r"^(Copying constant nodes |Looking for libcustom_ops_aot_lib\.so|Loading custom ops library: )"),
 }
 KNOWN_WARNINGS = (
     # torch.export pickles pytree specs through an API torch 2.13 deprecates, a warning per lowered method.

@@ -13,6 +13,14 @@ def test_known_third_party_messages_are_dropped_and_others_kept():
     assert "a torchao message that matters" in r.stderr
 
 
+def test_executorchs_custom_ops_library_lookup_is_dropped_from_the_root_logger():
+    code = ("import logging, runner; logging.basicConfig(level=logging.INFO); from models.layers import load_llama_ops; "
+            "load_llama_ops(); logging.getLogger().info('a root message that matters')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "custom_ops_aot_lib" not in r.stderr and "a root message that matters" in r.stderr, r.stderr
+
+
 def test_native_stderr_drops_only_the_known_lines():
     code = ("import os, warnings, runner; from models import quiet\n"
             "with quiet.native_stderr():\n"
