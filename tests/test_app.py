@@ -80,7 +80,9 @@ def test_gpu_experiment_sizes_taps_and_draft_for_every_target(preset):
     assert gpu.draft.train.ttt_steps == gpu.export.max_m - 1 == 7
     wider = compose_cfg(f"target={preset}", "+experiment=gpu", "export.max_m=6", "export.min_prefill_chunk=7")
     assert wider.draft.train.ttt_steps == 5, "one owner: ttt_steps follows export.max_m"
-    assert (gpu.draft.train.steps, gpu.draft.train.batch_size) == (1200, 32)
+    # SmolLM2 asks for twice the steps (conf/target/smollm2_135m/gpu.yaml); the CPU preset keeps its own
+    assert (gpu.draft.train.steps, gpu.draft.train.batch_size) == (2400 if preset == "smollm2_135m" else 1200, 32)
+    assert plain.draft.train.steps != gpu.draft.train.steps
     assert gpu.draft.draft_vocab_size == (8192 if preset == "tiny" else plain.draft.draft_vocab_size)
     assert gpu.draft.norm_before_residual == plain.draft.norm_before_residual  # a preset's own choice stays
     if preset == "tiny":
