@@ -7,7 +7,7 @@ fp32 GEMM takes 7 rows a pass on AVX-512 and 6 on AVX2, its 8da4w GEMM 8 and 3):
 - `autocast: auto` (target.train, draft.train): bf16 where the device computes it natively (CUDA with bf16;
   a CPU with avx512_bf16 or AMX tiles whose kernels torch and oneDNN may use), fp32 elsewhere.
 - `threads: null`: the cores this process may use (`os.sched_getaffinity`), shared among the jobs that run at
-  once, and on the CPU the training loops' `ThreadGovernor` moves between that count and one thread by the
+  once, and on the CPU the training and taps loops' `ThreadGovernor` moves between that count and one thread by the
   step times it measures: two OpenMP threads beside one busy process run 2-3x slower than one thread (every
   barrier waits for the thread whose core the neighbour holds), and no wait policy fixes both cases (libgomp's
   default spin-then-sleep is the one that lets one thread run clean once the count drops; PASSIVE halves a
@@ -68,13 +68,14 @@ def govern_threads(n: int | None) -> None:
 
 
 class ThreadGovernor:
-    """Runs a training loop at whichever of `threads` and one thread steps faster now.
+    """Runs a CPU loop (training, the taps' generation) at whichever of `threads` and one thread steps faster now.
 
     It keeps the last `trial` step times of each count (the first step after a switch is not counted: the
     pool wakes up in it); every `every` steps it tries the other count for `trial` steps and keeps the faster
     by the medians; the first trial follows the first `trial` + 1 steps. On a quiet machine that costs about
-    (trial + 1) / every of the steps at the slower count; when a busy process appears or leaves, the loop follows within `every` steps. Disabled (a no-op) where
-    the thread count is fixed by `threads` or one thread is all there is."""
+    (trial + 1) / every of the steps at the slower count; when a busy process appears or leaves, the loop
+    follows within `every` steps. Disabled (a no-op) where the thread count is fixed by `threads` or one thread
+    is all there is."""
 
     def __init__(self, device, every: int = 30, trial: int = 3, what: str = "training"):
         import torch

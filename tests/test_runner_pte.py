@@ -234,12 +234,13 @@ def _fresh(code: str, *args, drop_omp: bool = False):
 
 
 # libgomp's default team for a thread torch never set (as the runtime's workers), read in a new thread
-_OMP_DEFAULT = ("import ctypes, pathlib, threading; lib = ctypes.CDLL(str(pathlib.Path(torch.__file__).parent / 'lib' / "
-                "'libgomp.so.1')); seen = []; t = threading.Thread(target=lambda: seen.append(lib.omp_get_max_threads())); "
-                "t.start(); t.join(); ")
+_OMP_DEFAULT = ("import ctypes, pathlib, threading; "
+                "lib = ctypes.CDLL(str(pathlib.Path(torch.__file__).parent / 'lib' / 'libgomp.so.1')); seen = []; "
+                "t = threading.Thread(target=lambda: seen.append(lib.omp_get_max_threads())); t.start(); t.join(); ")
+_LIBGOMP = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
 
 
-@pytest.mark.skipif(not (Path(torch.__file__).parent / "lib" / "libgomp.so.1").is_file(), reason="torch without libgomp")
+@pytest.mark.skipif(not _LIBGOMP.is_file(), reason="a torch build without libgomp")
 def test_threads_torch_never_set_open_teams_of_one_and_a_call_keeps_the_callers_count(tiny_pte):
     """A process that imports runner before torch: libgomp's default team (what a thread torch never set, as
     the runtime's workers, opens) is one, the main thread keeps the count set_threads gave it, and a program
@@ -258,7 +259,8 @@ def test_a_pool_beside_teams_of_all_cores_is_warned_about_naming_the_variable(ti
     code = ("import sys, torch; torch.set_num_threads(2); from runner.engine import PteEngine; PteEngine(sys.argv[1])")
     err = _fresh(code, tiny_pte.path, drop_omp=True).stderr
     assert "OMP_NUM_THREADS is unset, not 1" in err and "import runner before torch" in err
-    ok = "import sys; import runner, torch; torch.set_num_threads(2); from runner.engine import PteEngine; PteEngine(sys.argv[1])"
+    ok = ("import sys; import runner, torch; torch.set_num_threads(2); from runner.engine import PteEngine; "
+          "PteEngine(sys.argv[1])")
     assert "OMP_NUM_THREADS" not in _fresh(ok, tiny_pte.path, drop_omp=True).stderr
 
 
