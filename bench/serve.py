@@ -101,11 +101,10 @@ class Server:
     """`python -m runner.serve` in a subprocess on a free port of 127.0.0.1."""
 
     def __init__(self, pte: Path, tokenizer: Path, *, threads: int, queue_size: int, drain_s: float = 30.0):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, "-m", "runner.serve", "--pte", str(pte), "--tokenizer", str(tokenizer), "--port", "0",
-               "--queue-size", str(queue_size), "--drain-s", str(drain_s), "--model-name", "bench"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+               "--queue-size", str(queue_size), "--drain-s", str(drain_s), "--model-name", "bench",
+               "--threads", str(threads)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         t0 = time.monotonic()
         for line in self.proc.stdout:

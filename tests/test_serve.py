@@ -94,7 +94,7 @@ def reference(engine, tok, prompt: str, max_tokens: int) -> str:
 
 def start(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                            env={**os.environ, **(env or {})})
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -107,7 +107,8 @@ def start(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Popen, st
 @pytest.fixture(scope="module")
 def server(artifact):
     proc, url = start([sys.executable, "-m", "runner.serve", "--pte", str(artifact.pte), "--tokenizer",
-                       str(artifact.tokenizer_path), "--port", "0", "--model-name", "tiny", "--queue-size", "4"],
+                       str(artifact.tokenizer_path), "--port", "0", "--model-name", "tiny", "--queue-size", "4",
+                       "--threads", "1"],
                       env={"EAGLE3_API_KEY": KEY})
     yield url
     proc.terminate()
