@@ -1,14 +1,13 @@
 """Threads: how many cores this process may use, and OpenMP's default team for the threads torch does not set.
 
-A .pte runs its XNNPACK kernels on ExecuTorch's own pool, while the llama custom ops inside the program open
-OpenMP regions from whichever thread runs them, with that thread's team size: for a thread torch never set,
-OMP_NUM_THREADS as it was when torch first loaded libgomp (all cores when unset). A second team of spinning
-threads beside the pool's makes a verify call several times slower on a 2-core machine (AMD EPYC, AVX512, the
-embedded default's fp32 target, pool of 2: target_verify T=2 3.37 ms with the default left at all cores,
-0.91 ms with it at one; decode T=1 0.58 ms either way). So every package that can start a process sets the
-default to one before torch loads (`openmp_default`, called by pipeline/ and runner/ at import), the main
-thread gets its count explicitly (`torch.set_num_threads`: what training runs at), and a .pte call runs with
-the calling thread at one too (runner.engine.PteEngine). This module imports no torch, so it can run first.
+A .pte runs its XNNPACK kernels on ExecuTorch's own pool, while the llama custom ops inside the program open OpenMP
+regions from whichever thread runs them, with that thread's team size: for a thread torch never set, OMP_NUM_THREADS
+as it was when torch first loaded libgomp (all cores when unset). A second team of spinning threads beside the
+pool's makes a verify call several times slower on a 2-core machine (docs/design.md §2, "Why torch runs at one
+thread while a program runs"). So every package that can start a process sets the default to one before torch loads
+(`openmp_default`, called by pipeline/ and runner/ at import), the main thread gets its count explicitly
+(`torch.set_num_threads`: what training runs at), and a .pte call runs with the calling thread at one too
+(runner.engine.PteEngine). This module imports no torch, so it can run first.
 """
 
 from __future__ import annotations
