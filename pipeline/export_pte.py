@@ -413,6 +413,24 @@ def load_lowered(path: Path):
     return program
 
 
+def share_weights(program, seen: dict) -> int:
+    """Point `program`'s state dict and constants at the tensors of earlier methods where the name, shape, dtype
+    and values agree (`seen`: name -> tensor, filled as it goes). Methods lowered or loaded one by one each hold
+    their own copy of the same parameters, and the emitter writes one copy of equal tensors anyway; Gemma 3's
+    fp32 target holds 1.3 GB a method. -> the bytes no longer held twice."""
+    freed = 0
+    for table in (program.state_dict, program.constants):
+        for name, tensor in list(table.items()):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            first = seen.setdefault(name, tensor)
+            if first is not tensor and first.shape == tensor.shape and first.dtype == tensor.dtype \
+                    and type(first) is type(tensor) and torch.equal(first, tensor):
+                table[name] = first
+                freed += tensor.numel() * tensor.element_size()
+    return freed
+
+
 def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "none", group_size: int = 32,
                out_path: Path | str, manifest_hash: str, progress: bool = True,
@@ -507,8 +525,16 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
             gc.collect()
     bar.close()
     report["methods_resumed"] = resumed
-    # every method is emitted from its saved file, as a resumed run does, so both write the same bytes
-    lowered = {name: load_lowered(saved[name]) if program is None else program for name, program in lowered.items()}
+    # every method is emitted from its saved file, as a resumed run does, so both write the same bytes; each
+    # saved file holds its own copy of the weights, so one copy is kept as they load
+    shared: dict[str, torch.Tensor] = {}
+    report["weights_shared_bytes"] = 0
+    for name, program in lowered.items():
+        lowered[name] = program if program is not None else load_lowered(saved[name])
+        report["weights_shared_bytes"] += share_weights(lowered[name], shared)
+        gc.collect()
+    if report["weights_shared_bytes"]:
+        log.info("%.2f GB of weights the methods share held once", report["weights_shared_bytes"] / 1e9)
 
     constants = constant_methods(speculator, max_m=max_m, default_chain=default_chain,
                                  max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,

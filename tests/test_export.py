@@ -507,3 +507,17 @@ def test_an_interrupted_export_lowers_only_the_rest_and_writes_the_same_bytes(ti
     assert report["methods_resumed"] == ["prefill", "target_verify", "target_verify_exact"]
     assert report["delegate_calls"] == tiny_pte.report["delegate_calls"]
     assert (tmp_path / "model.pte").read_bytes() == tiny_pte.path.read_bytes()
+
+
+def test_methods_loaded_one_by_one_share_one_copy_of_equal_weights():
+    """Fresh tensors each call: equal name, shape, dtype and values become one object; anything else stays."""
+    from pipeline.export_pte import share_weights
+
+    w, b = torch.randn(64, 32), torch.randn(32)
+    first = types.SimpleNamespace(state_dict={"w": w, "b": b}, constants={"c": torch.arange(5)})
+    second = types.SimpleNamespace(state_dict={"w": w.clone(), "b": b + 1}, constants={"c": torch.arange(5)})
+    seen: dict = {}
+    assert share_weights(first, seen) == 0
+    assert share_weights(second, seen) == w.numel() * 4 + 5 * 8
+    assert second.state_dict["w"] is first.state_dict["w"] and second.constants["c"] is first.constants["c"]
+    assert second.state_dict["b"] is not first.state_dict["b"] and torch.equal(second.state_dict["b"], b + 1)
