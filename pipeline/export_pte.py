@@ -354,9 +354,10 @@ def _tracing_mode(speculator: nn.Module):
 
 # --- resumable lowering: one file per lowered method -------------------------------------------------
 LOWERED_SUFFIX = ".lowered.pt2"
-
-
-# exir's serde logs a warning per unbacked symbol it does not find again and warns of deprecated ShapeEnv
+# A delegate's named data (XNNPACK's weights) as one file per distinct buffer, named by its sha256: methods
+# that share weights share the file, and each is read once.
+NAMED_DATA_SUFFIX = ".named"
+# exir's serde logs what it skips (the lowered module's unknown fields, ops it re-resolves) at WARNING on both
 # calls: facts of its internals, not of the program.
 SERDE_LOGGER = "executorch.exir.serde.export_serialize"
 
@@ -367,10 +368,31 @@ def _lowered_version() -> str:
     return f"torch {torch.__version__}, executorch {importlib.metadata.version('executorch')}"
 
 
+def _delegates(program) -> list:
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    return [(name, m) for name, m in program.graph_module.named_modules() if isinstance(m, LoweredBackendModule)]
+
+
+def _write_once(path: Path, data) -> None:
+    if not path.is_file():
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        tmp.replace(path)
+
+
 def save_lowered(program, path: Path) -> None:
     """One lowered method (an edge ExportedProgram with its delegates) written atomically with exir's serde,
     tagged with the library versions that lowered it and with which of its tensors require grad (the serde
-    drops the flag, and the emitter writes it into the program)."""
+    drops the flag, and the emitter writes it into the program).
+
+    The delegates' bulk stays out of the serde's JSON, which base64-encodes every byte and needs about 4x a
+    file's size to read it back (15.9 GB for one of Gemma 3's 4.2 GB target methods): their named data goes
+    to `<sha256>.named` files beside `path`, and the weights of each delegate's original module (which only
+    the emitter's debug-handle map reads, through the graph) are saved as zero-stride placeholders of the same
+    shape and dtype. `program` is left as it was."""
+    import hashlib
     import json
 
     from executorch.exir.serde.serialize import save
@@ -378,31 +400,75 @@ def save_lowered(program, path: Path) -> None:
     tensors = {**program.state_dict, **program.constants,  # and the placeholders' fake values the emitter reads
                **{n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}}
     grad = sorted(k for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad)
+    named: dict[str, list[str]] = {}  # delegate module -> sha256 of each of its named-data buffers
+    undo: list = []  # (container, key, value) restored after saving
+    for module_name, lowered in _delegates(program):
+        out = lowered.named_data_store_output
+        if out is not None and out.buffers:
+            named[module_name] = []
+            for buffer in out.buffers:
+                data = buffer if isinstance(buffer, (bytes, bytearray)) else bytes(buffer)
+                named[module_name].append(digest := hashlib.sha256(data).hexdigest())
+                _write_once(path.parent / f"{digest}{NAMED_DATA_SUFFIX}", data)
+            undo.append((out, "buffers", out.buffers))
+            out.buffers = [b""] * len(out.buffers)
+        original = lowered.original_module
+        for table in (original.state_dict, original.constants):
+            for key, t in list(table.items()):
+                if type(t) in (torch.Tensor, nn.Parameter) and t.numel() > 1:
+                    undo.append((table, key, t))
+                    stub = torch.zeros((), dtype=t.dtype).expand(t.shape)
+                    table[key] = nn.Parameter(stub, requires_grad=False) if isinstance(t, nn.Parameter) else stub
     tmp = path.with_name(path.name + ".tmp")
-    with quiet.muted(SERDE_LOGGER):
-        save(program, str(tmp), extra_files={"versions": _lowered_version(), "requires_grad": json.dumps(grad)})
+    try:
+        with quiet.muted(SERDE_LOGGER):
+            save(program, str(tmp), extra_files={"versions": _lowered_version(), "requires_grad": json.dumps(grad),
+                                                 "named_data": json.dumps(named)})
+    finally:
+        for container, key, value in reversed(undo):
+            if isinstance(container, dict):
+                container[key] = value
+            else:
+                setattr(container, key, value)
     tmp.replace(path)
 
 
-def load_lowered(path: Path):
-    """The lowered method saved at `path` as it was before saving, or None when there is none or other library
-    versions wrote it (then the method is lowered again)."""
+def load_lowered(path: Path, named_data: dict | None = None):
+    """The lowered method saved at `path` as it was before saving (its delegates' original modules hold
+    placeholders), or None when there is none, other library versions wrote it, or a named-data file is
+    missing or damaged (then the method is lowered again). `named_data` (sha256 -> bytes) caches the buffers
+    read, so methods that share weights hold one copy."""
+    import hashlib
     import json
 
     from executorch.exir.serde.serialize import load
 
     if not path.is_file():
         return None
-    extra = {"versions": "", "requires_grad": "[]"}
+    missing = "no named-data index"
+    extra = {"versions": "", "requires_grad": "[]", "named_data": missing}
     try:
         with quiet.muted(SERDE_LOGGER):
             program = load(str(path), extra_files=extra)
     except Exception as e:  # written atomically, so only a damaged disk gets here: lower it again
         log.warning("%s is not a readable lowered method (%s: %s): lowering it again", path, type(e).__name__, e)
         return None
-    if extra["versions"] != _lowered_version():
-        log.info("%s was lowered by %s, not %s: lowering it again", path.name, extra["versions"], _lowered_version())
+    if extra["versions"] != _lowered_version() or extra["named_data"] == missing:
+        log.info("%s was lowered by %s, not %s: lowering it again", path.name,
+                 extra["versions"] if extra["named_data"] != missing else "an older format", _lowered_version())
         return None
+    cache = {} if named_data is None else named_data
+    delegates = dict(_delegates(program))
+    for module_name, digests in json.loads(extra["named_data"]).items():
+        for digest in digests:
+            if digest not in cache:
+                blob = path.parent / f"{digest}{NAMED_DATA_SUFFIX}"
+                data = blob.read_bytes() if blob.is_file() else b""
+                if hashlib.sha256(data).hexdigest() != digest:
+                    log.warning("%s is %s: lowering %s again", blob, "damaged" if data else "missing", path.name)
+                    return None
+                cache[digest] = data
+        delegates[module_name].named_data_store_output.buffers = [cache[d] for d in digests]
     grad = set(json.loads(extra["requires_grad"]))
     for table in (program.state_dict, program.constants):
         for name in grad & set(table):
@@ -443,7 +509,8 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     RMSNorm's mean a linear (RMSNorm.set_fc_mean); the speculator's caches are reallocated empty. Every argument is checked before tracing starts (ValueError with the offending value).
 
     `scratch` (the export stage's scratch dir): each method, once lowered, is saved there
-    (`<method>.lowered.pt2`) and the program is emitted from the saved methods, so a run that was killed
+    (`<method>.lowered.pt2`, its delegates' weights beside it in one file per distinct buffer, which the methods
+    share: save_lowered) and the program is emitted from the saved methods, so a run that was killed
     lowers again only the methods it had not saved, and its .pte is byte for byte the one an uninterrupted
     run writes (both emit from the same files; a method is the unit: to_edge_transform_and_lower and the
     partitioner run per method, and exir's serde keeps a lowered one with its delegate payloads).
@@ -528,9 +595,10 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     # every method is emitted from its saved file, as a resumed run does, so both write the same bytes; each
     # saved file holds its own copy of the weights, so one copy is kept as they load
     shared: dict[str, torch.Tensor] = {}
+    named_data: dict[str, bytes] = {}
     report["weights_shared_bytes"] = 0
     for name, program in lowered.items():
-        lowered[name] = program if program is not None else load_lowered(saved[name])
+        lowered[name] = program if program is not None else load_lowered(saved[name], named_data)
         report["weights_shared_bytes"] += share_weights(lowered[name], shared)
         gc.collect()
     if report["weights_shared_bytes"]:

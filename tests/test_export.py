@@ -521,3 +521,41 @@ def test_methods_loaded_one_by_one_share_one_copy_of_equal_weights():
     assert share_weights(second, seen) == w.numel() * 4 + 5 * 8
     assert second.state_dict["w"] is first.state_dict["w"] and second.constants["c"] is first.constants["c"]
     assert second.state_dict["b"] is not first.state_dict["b"] and torch.equal(second.state_dict["b"], b + 1)
+
+
+def test_a_resumed_xnnpack_export_reads_each_shared_weight_file_once_and_a_missing_one_lowers_again(
+        tiny_pte, tmp_path, monkeypatch):
+    """XNNPACK's weights are kept beside the saved methods as one `<sha256>.named` file per distinct buffer, so the
+    target methods, which hold the same weights, share files; the program emitted from them is the one an export
+    without saved files writes, and a method whose weight file is gone (or damaged) is lowered again, which
+    writes the file back for the methods after it. (Two methods, to keep CI short.)"""
+    import json
+    import zipfile
+
+    specs = export_lib.method_specs
+    monkeypatch.setattr(export_lib, "method_specs", lambda **kw: {
+        name: spec for name, spec in specs(**kw).items() if name in ("target_verify", "target_decode")})
+    args = dict(max_m=tiny_pte.max_m, default_chain=tiny_pte.default_chain, backend="xnnpack",
+                max_prefill_chunk=tiny_pte.max_prefill_chunk, min_prefill_chunk=tiny_pte.min_prefill_chunk,
+                manifest_hash=tiny_pte.report["manifest_hash"], progress=False)
+    first = export_lib.export_pte(tiny_pte.speculator(), out_path=tmp_path / "a.pte", scratch=tmp_path, **args)
+    index = {}
+    for saved in tmp_path.glob(f"*{export_lib.LOWERED_SUFFIX}"):
+        with zipfile.ZipFile(saved) as z:
+            name = next(n for n in z.namelist() if n.endswith("named_data"))
+            index[saved.name.removesuffix(export_lib.LOWERED_SUFFIX)] = [d for ds in json.loads(z.read(name)).values()
+                                                                       for d in ds]
+    files = {p.name.removesuffix(export_lib.NAMED_DATA_SUFFIX) for p in tmp_path.glob(f"*{export_lib.NAMED_DATA_SUFFIX}")}
+    referenced = [d for ds in index.values() for d in ds]
+    assert set(referenced) == files and len(files) < len(referenced), "methods with equal weights share files"
+    in_memory = export_lib.export_pte(tiny_pte.speculator(), out_path=tmp_path / "m.pte", **args)
+    assert in_memory["delegate_calls"] == first["delegate_calls"]
+    assert (tmp_path / "m.pte").read_bytes() == (tmp_path / "a.pte").read_bytes(), "the saved files change no byte"
+
+    order = list(first["delegate_calls"])
+    gone = next(d for d in index[order[0]] if sum(d in ds for ds in index.values()) > 1)
+    (tmp_path / f"{gone}{export_lib.NAMED_DATA_SUFFIX}").unlink()
+    again = export_lib.export_pte(tiny_pte.speculator(), out_path=tmp_path / "b.pte", scratch=tmp_path, **args)
+    assert again["methods_resumed"] == order[1:], "the first user of the missing file lowers again, the rest resume"
+    assert (tmp_path / f"{gone}{export_lib.NAMED_DATA_SUFFIX}").is_file()
+    assert (tmp_path / "b.pte").read_bytes() == (tmp_path / "a.pte").read_bytes()
