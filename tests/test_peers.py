@@ -172,3 +172,25 @@ def test_llama_cpp_decodes_our_greedy_tokens(tmp_path):
         if len(got) == 16:
             break
     assert got == ids[len(prompt):]
+
+
+def test_the_pte_loss_and_greedy_reference_are_the_eager_targets(tiny_pte, seed):
+    """The quality section's three readings of one fp32 model agree: the .pte's target_verify windows give the
+    eager stateless loss (within float noise, whatever the window length against max_m), and the eager cached
+    greedy reference gives the .pte's own K=0 tokens."""
+    from runner.engine import PteEngine
+    from runner.generate import generate
+
+    g = torch.Generator().manual_seed(seed)
+    spec = tiny_pte.speculator()
+    vocab = spec.target.cfg.vocab_size
+    windows = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (2 * tiny_pte.max_m, 13, 2)]
+    engine = PteEngine(tiny_pte.path)
+    eager = peers.eager_loss(spec.target, windows)
+    assert abs(peers.pte_loss(engine, windows) - eager) < 1e-4 * max(1.0, eager)
+    assert peers.eager_loss(spec.target, windows[:1]) != pytest.approx(eager), "the windows are all scored"
+
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (9, 20)]
+    reference = peers.eager_greedy(spec.target, prompts, 12)
+    for i, prompt in enumerate(prompts):
+        assert generate(engine, prompt, chain=0, max_new_tokens=12).output_ids == reference[i]
