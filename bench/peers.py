@@ -854,16 +854,17 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
     ggufs: dict[str, Path] = {}  # label -> file, the first is the one transformers loads
     target_model = None
     if target == "tiny":
-        if "fp32" not in picked:
-            skipped.append(f"{target}: every system (no fp32 export artifact of the embedded default in the store; "
+        if not picked:
+            skipped.append(f"{target}: every system (no export artifact of the embedded default in the store; "
                            f"build one with: python -m pipeline +stage=export threads=1)")
             return None
-        tdir = picked["fp32"]["target_path"]
+        first = next(iter(picked.values()))
+        tdir = first["target_path"]
         target_model = load_target(tdir)
         tokenizer = Tokenizer.from_file(str(tdir / "tokenizer.json"))
         chat_template, prompt_format = None, "plain"
         for dtype in args.gguf_types.split(","):
-            path = WORK / f"tiny-{picked['fp32']['target_key'][:12]}-{dtype}.gguf"
+            path = WORK / f"tiny-{first['target_key'][:12]}-{dtype}.gguf"
             if not path.is_file():
                 write_gguf(target_model, tokenizer, path, dtype=dtype, name="eagle3-tiny-target")
             ggufs[dtype] = path
@@ -905,7 +906,7 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
         nbytes = target_weight_bytes(target_model, quant, int(e["export"].get("group_size", 32))) \
             if target_model is not None else None
         width = 0
-        if quant != "fp32" and args.exact_width != "0":  # exact mode where a row's rounding can flip a token
+        if quant not in FP32_TARGET and args.exact_width != "0":  # exact mode where a row's rounding can flip a token
             from pipeline.hardware import resolve_exact_width
 
             width = resolve_exact_width(args.exact_width if args.exact_width == "auto" else int(args.exact_width),
@@ -1064,7 +1065,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quants", default="fp32,int4", help="our .pte rows: export.quant values (fp32 = none)")
+    ap.add_argument("--quants", default="int4_draft,int4",
+                    help="our .pte rows: export.quant values (fp32 = none; int4_draft's target is fp32 too)")
     ap.add_argument("--exact-width", default="auto", help="exact-mode rows of the int4 .pte at this width "
                     "(runtime.exact_width; auto: the CPU's 8da4w row tile; 0: none)")
     ap.add_argument("--quality-windows", type=int, default=16,
