@@ -54,7 +54,7 @@ Table columns: median decode tokens/s and its range over prompts x repetitions; 
 median over this row's; tau = tokens per round (our K > 0); MB/step = model bytes a forward reads; floor st/s =
 forwards per second at the bytes floor; vs ref = `same` or the common prefix with the reference, per prompt.
 
-Writes bench/results/cpu-peers-<target>.json and prints one table per target, last.
+Writes bench/results/cpu-peers-<target><--suffix>.json and prints one table per target, last.
 """
 
 from __future__ import annotations
@@ -1083,6 +1083,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated families to skip: hf, llama")
     ap.add_argument("--store", type=Path, default=Path(os.environ.get("PIPELINE_OUTPUTS", ROOT / "outputs")) / "store")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--suffix", default="", help="appended to each result's file name (cpu-peers-<target><suffix>.json)")
     args = ap.parse_args(argv)
     args.chains = None if args.chains is None else [int(k) for k in args.chains.split(",")]
     args.skip = set(filter(None, args.skip.split(",")))
@@ -1113,7 +1114,7 @@ def main(argv=None) -> int:
         if result is None:
             continue
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"cpu-peers-{target}.json"
+        path = args.out / f"cpu-peers-{target}{args.suffix}.json"
         path.write_text(json.dumps(result, indent=1))
         results.append((result, path))
     for result, path in results:

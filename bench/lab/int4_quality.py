@@ -1,0 +1,75 @@
+"""Investigation: where a 4-bit target's held-out loss goes, by quantisation scheme, in eager PyTorch (torchao).
+
+    python -m bench.lab.int4_quality --target outputs/store/target/<key> --out bench/results/cpu-int4-quality-<name>.json
+
+The .pte's int4 is 8da4w: int8 dynamic per-token activations and int4 weights in symmetric groups of 32 (the
+only blockwise 4-bit layout XNNPACK runs), every linear the lm_head included. This loads a target artifact,
+quantises copies of it several ways and gives each one's mean next-token loss (nats) over held-out corpus windows
+beside the fp32 target's: the scheme the .pte uses, the same without the activation rounding, the same with an
+fp32 lm_head, and asymmetric weight groups (what a Q4_1 GGUF stores: w = d*q + m per block of 32). A target
+dequantised from a 4-bit GGUF is rounded a second time by any scheme that does not match the file's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.lab.int4_quality", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", type=Path, required=True, help="a target artifact directory of the store")
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--length", type=int, default=192)
+    ap.add_argument("--group", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+    from tokenizers import Tokenizer
+    from torch import nn
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.quant_primitives import MappingType
+
+    from bench.peers import eager_loss, make_prompts
+    from models import load_target
+
+    target = load_target(args.target).eval()
+    windows = make_prompts(Tokenizer.from_file(str(args.target / "tokenizer.json")), "plain", None, args.windows,
+                           args.length, 1)
+    group = PerGroup(args.group)
+    schemes = {
+        "8da4w, symmetric (the .pte's int4)": (
+            Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=group), True),
+        "8da4w, symmetric, lm_head fp32": (
+            Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=group), False),
+        "int4 weights only, symmetric": (IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=group), True),
+        "8da4w, asymmetric weight groups": (
+            Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=group,
+                                                  weight_mapping_type=MappingType.ASYMMETRIC), True),
+    }
+    t0 = time.perf_counter()
+    fp32 = eager_loss(target, windows)
+    result = {"target": str(args.target), "windows": len(windows), "window_tokens": args.length,
+              "group_size": args.group, "fp32_loss": round(fp32, 4), "schemes": {}}
+    print(f"fp32: {fp32:.4f}")
+    for name, (config, head) in schemes.items():
+        model = copy.deepcopy(target)
+        quantize_(model, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and m.in_features % args.group == 0
+                  and (head or not fqn.endswith("lm_head")))
+        loss = eager_loss(model, windows)
+        result["schemes"][name] = {"loss": round(loss, 4), "loss_vs_fp32": round(loss - fp32, 4)}
+        print(f"{name}: {loss:.4f} ({loss - fp32:+.4f})")
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
