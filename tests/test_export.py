@@ -97,8 +97,7 @@ def exported(request, pair, tmp_path_factory):
 def eager(pair, quant="none"):
     """A fresh eager Speculator with the stage's weights (int4, int4_draft: quantized the same way)."""
     spec = export_stage.load_pair(pair[0].path, pair[1].path)
-    if quant != "none":
-        export_lib.quantize_int4(spec if quant == "int4" else spec.draft, 32)
+    export_lib.quantize(spec, quant, 32)
     return spec
 
 

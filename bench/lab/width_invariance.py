@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     from models import quiet  # first: its filters are installed before torchao is imported
 
     from models.gguf import package_gguf, read_gguf
-    from pipeline.export_pte import export_pte, quantize_int4
+    from pipeline.export_pte import export_pte, quantize
     from runner.engine import PteEngine
 
     torch.set_num_threads(1)
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
                            min_prefill_chunk=9, quant=quant, out_path=path, manifest_hash="0" * 64, progress=True)
                 print(f"exported {path.name} in {time.perf_counter() - t0:.0f} s", flush=True)
             if quant == "int4":
-                quantize_int4(spec, 32)
+                quantize(spec, "int4", 32)
             with quiet.native_stderr():
                 pte = PteEngine(path, verified=True)
                 row = {"layers": n, "quant": quant, "pte": compare(three_ways(pte, ids, lambda: None)),
