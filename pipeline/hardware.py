@@ -306,6 +306,13 @@ def _measure_in_subprocess(quant: str) -> dict:
     return json.loads(lines[-1])
 
 
+def has_executorch() -> bool:
+    """Whether this environment can lower and run a .pte at all (the row tile is measured through it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("executorch") is not None
+
+
 def target_quant(export_quant: str) -> str:
     """The weights of the target's linears, which a verify window's GEMMs read: int4_draft keeps them fp32."""
     return "int4" if export_quant == "int4" else "none"
@@ -319,7 +326,11 @@ def resolve_default_chain(value, *, max_m: int, backend: str, quant: str, engine
     if value != AUTO:
         return int(value)
     chain = min(DEFAULT_CHAIN, max_m - 1)
-    if engine != "cuda" and backend == "xnnpack":
+    if engine != "cuda" and backend == "xnnpack" and not has_executorch():
+        # a GPU machine that trains a draft for a CPU .pte: no program is lowered or run here, so no tile to fit
+        log.info("export.default_chain=auto: K=%d (ExecuTorch is not installed here: no .pte is built or run, "
+                 "XNNPACK's row tile is not measured)", chain)
+    elif engine != "cuda" and backend == "xnnpack":
         tile = row_tile(target_quant(quant))
         chain = max(1, min(chain, tile["tile"] - 1))
         log.info("export.default_chain=auto: K=%d (XNNPACK's %s GEMM takes %d rows a pass on this CPU, %s)", chain,

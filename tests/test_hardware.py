@@ -81,6 +81,20 @@ def test_the_row_tile_is_measured_once_per_machine_and_cached(monkeypatch, tmp_p
     assert hardware.row_tile("none") == first
 
 
+def test_default_chain_auto_measures_no_row_tile_where_executorch_is_not_installed(monkeypatch, caplog):
+    """A GPU machine that trains a draft has no ExecuTorch: `auto` keeps min(DEFAULT_CHAIN, max_m - 1)."""
+    from pipeline.export_pte import DEFAULT_CHAIN
+
+    monkeypatch.setattr(hardware, "has_executorch", lambda: False)
+    monkeypatch.setattr(hardware, "row_tile", lambda *a, **kw: pytest.fail("measured a row tile without ExecuTorch"))
+    with caplog.at_level(logging.INFO, logger="pipeline.hardware"):
+        for max_m in (2, 4, 8):
+            assert hardware.resolve_default_chain("auto", max_m=max_m, backend="xnnpack", quant="int4",
+                                                  engine="pte") == min(DEFAULT_CHAIN, max_m - 1)
+    assert "ExecuTorch is not installed" in caplog.text
+    assert hardware.resolve_default_chain(3, max_m=8, backend="xnnpack", quant="int4", engine="pte") == 3
+
+
 def run_governor(gov, seconds_at, steps):
     """Drive `gov` for `steps` steps whose time is seconds_at(threads now); -> the thread count of every step."""
     counts = []
