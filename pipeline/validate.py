@@ -294,10 +294,14 @@ def check_config(cfg: DictConfig) -> None:
     if max_m is not None:
         c.int_in(f"{rt}.chain", 0, max_m - 1, nullable=True)  # 0 = the greedy baseline only
     c.choice(f"{rt}.policy", ("static", "adaptive"))
-    from pipeline.artifacts import CUDA_QUANTS, ENGINES
+    from pipeline.artifacts import CUDA_COMPILES, CUDA_QUANTS, ENGINES
 
     c.choice(f"{rt}.engine", ENGINES)
     c.choice(f"{rt}.cuda_quant", CUDA_QUANTS)
+    c.choice(f"{rt}.cuda_compile", CUDA_COMPILES)
+    if c.get(f"{rt}.cuda_compile") == "inductor" and c.get(f"{rt}.cuda_quant") == "int4":
+        c.fail(f"{rt}.cuda_compile", c.get(f"{rt}.cuda_compile"), "none with runtime.cuda_quant=int4 (inductor "
+               "compiles the dense bf16 engine; the INT4 kernels are fused already)")
     if c.get(f"{rt}.engine") == "cuda":
         import torch
 

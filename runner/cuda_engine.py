@@ -35,6 +35,11 @@ position, which a later call rewrites before any query can see them; the engine 
 positions (`meta["max_seq_len"]`) so that they stay inside the cache. The price is K=0's decode at width max_m
 (and its taps). exact=False decodes at T = 1 and verifies at T = K+1.
 
+Compile (`compile="inductor"`, `runtime.cuda_compile`): the dense engine's per-width calls go through
+`torch.compile` before capture, so each graph replays inductor's fused kernels instead of ~40 unfused ops a
+layer; the compilation (one per width) is paid at load. Exact mode holds as it does without: every call of a
+width runs the same compiled graph.
+
 The draft's cache-gap guard reads positions on the host, which a graph cannot do: it is off here, and the
 loop's own bookkeeping (runner.generate) keeps writes contiguous.
 
@@ -96,15 +101,15 @@ class _Round(_Call):
     kept on the device between rounds: the next first proposal and its g; output (to pinned host memory,
     inside the graph): [a, vids[0], ..., vids[k]], so new = vids[:a+1]."""
 
-    def __init__(self, spec: Speculator, k: int, state: dict, device: torch.device, dtype: torch.dtype,
-                 target_decode, target_verify):
+    def __init__(self, k: int, state: dict, device: torch.device, dtype: torch.dtype, target_decode, target_verify,
+                 draft_decode):
         super().__init__(None, 1, None, device, dtype)
-        self.spec, self.k, self.state = spec, k, state
-        self.target_decode, self.target_verify = target_decode, target_verify
+        self.k, self.state = k, state
+        self.target_decode, self.target_verify, self.draft_decode = target_decode, target_verify, draft_decode
         self.host_out = torch.zeros(k + 2, dtype=torch.long, pin_memory=device.type == "cuda")
 
     def _forward(self):
-        spec, k, state = self.spec, self.k, self.state
+        k, state = self.k, self.state
         anchor, P = self.dev_in[0:1].view(1, 1), self.dev_in[1]
         if k == 0:  # the baseline's step, with the same launch and synchronisation as a round
             ids, _ = self.target_decode(anchor, P.view(1))
@@ -113,7 +118,7 @@ class _Round(_Call):
         tok, g = state["next_id"], state["g"]
         props = [tok]
         for j in range(1, k):  # chain step j pairs proposal j-1 with the last g, at draft position P + j - 1
-            ids, g, _ = spec.draft_decode(props[-1], g, (P + (j - 1)).view(1))
+            ids, g, _ = self.draft_decode(props[-1], g, (P + (j - 1)).view(1))
             props.append(ids)
         props = torch.cat(props, dim=1)  # [1, k]
         pos = P + torch.arange(k + 1, device=P.device)
@@ -121,7 +126,7 @@ class _Round(_Call):
         a = (props == vids[:, :k]).long().cumprod(dim=1).sum(dim=1)  # [1]: the leading run of matches
         # reseed with all k+1 rows: rows <= a are the confirmed ones; the rows past a sit at positions the next
         # round's chain overwrites before its causal mask could show them
-        ids, g_all, _ = spec.draft_decode(vids, fv, pos)
+        ids, g_all, _ = self.draft_decode(vids, fv, pos)
         state["next_id"].copy_(ids.gather(1, a.view(1, 1)))
         state["g"].copy_(g_all.gather(1, a.view(1, 1, 1).expand(1, 1, g_all.shape[-1])))
         self.host_out.copy_(torch.cat((a, vids[0])), non_blocking=True)
@@ -136,13 +141,26 @@ class _Round(_Call):
         return out[1 : out[0] + 2]
 
 
+def compiled(spec: Speculator, backend: str | None, max_m: int):
+    """(target_decode, target_verify, draft_decode) of `spec`, each through `torch.compile(backend=backend,
+    dynamic=False)` when a backend is named: one graph per captured width, so the engine's CUDA graphs replay
+    inductor's fused kernels (on Gemma 3's layers, 235 -> 714 tokens/s at K = 0; docs/results.md). Static
+    shapes because each width is captured once; the prompt's wider calls stay eager (a new length would
+    compile again). Dynamo's recompile limit is raised to the widths captured (2 * max_m)."""
+    fns = (spec.target_decode, spec.target_verify, spec.draft_decode)
+    if not backend:
+        return fns
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * max_m)
+    return tuple(torch.compile(fn, backend=backend, dynamic=False) for fn in fns)
+
+
 class CudaEngine(Engine):
     """The engine interface over a Speculator on `device`, with one CUDA graph per call shape (module doc)."""
 
     def __init__(self, speculator: Speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                  min_prefill_chunk: int = 1, device: str | torch.device = "cuda", dtype: str = "bfloat16",
                  kernels: bool = False, group: int = 128, graphs: bool = True, exact: bool = False,
-                 manifest_hash: str = ""):
+                 compile: str | None = None, manifest_hash: str = ""):
         from kernels.rule import check_max_m
 
         if dtype not in DTYPES:
@@ -150,6 +168,9 @@ class CudaEngine(Engine):
         self.device = torch.device(device)
         if graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}; pass graphs=False")
+        if compile and kernels:
+            raise ValueError(f"compile={compile!r} takes the dense engine (kernels off): inductor around the INT4 "
+                             "kernels is not built")
         if kernels and (self.device.type != "cuda" or dtype != "bfloat16"):
             raise ValueError(f"the GPU kernels take bfloat16 on CUDA; got dtype={dtype} on {self.device}")
         check_max_m(max_m)
@@ -165,16 +186,18 @@ class CudaEngine(Engine):
         self.meta = speculator_meta(spec, max_m=max_m, default_chain=default_chain,
                                     max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,
                                     manifest_hash=manifest_hash)
-        decode, verify = fixed_width(spec.target_verify, max_m) if exact else (spec.target_decode, spec.target_verify)
+        target_decode, target_verify, draft_decode = compiled(spec, compile, max_m)
+        decode, verify = fixed_width(target_verify, max_m) if exact else (target_decode, target_verify)
         if exact:
             self.meta["max_seq_len"] -= max_m - 1  # the padding rows' slots
         H = spec.draft.cfg.hidden_size
         self.decode = _Call(decode, 1, None, self.device, self.dtype)
         self.verify = {T: _Call(verify, T, None, self.device, self.dtype) for T in range(2, max_m + 1)}
-        self.draft = {T: _Call(spec.draft_decode, T, H, self.device, self.dtype) for T in range(1, max_m + 1)}
+        self.draft = {T: _Call(draft_decode, T, H, self.device, self.dtype) for T in range(1, max_m + 1)}
         self.state = {"next_id": torch.zeros(1, 1, dtype=torch.long, device=self.device),
                       "g": torch.zeros(1, 1, H, device=self.device, dtype=self.dtype)}
-        self.rounds = {k: _Round(spec, k, self.state, self.device, self.dtype, decode, verify) for k in range(0, max_m)}
+        self.rounds = {k: _Round(k, self.state, self.device, self.dtype, decode, verify, draft_decode)
+                       for k in range(0, max_m)}
         self.graphs = graphs
         with torch.no_grad():
             if graphs:
@@ -254,7 +277,7 @@ GROUP = 128  # the INT4 group of the CUDA kernels (the Gluon GEMM's; kernels.tra
 
 
 def load_cuda_engine(target_dir, draft_dir, *, windows: dict, device: str = "cuda", kernels: bool = False,
-                     exact: bool = True) -> CudaEngine:
+                     exact: bool = True, compile: str | None = None) -> CudaEngine:
     """A CudaEngine over a target and a draft artifact (their directories) in the call windows `windows`
     (max_m, default_chain, max_prefill_chunk, min_prefill_chunk: pipeline.export_pte.windows of the export
     config, the ones a .pte would be lowered for). The eval and serve stages and `python -m runner.serve
@@ -263,4 +286,4 @@ def load_cuda_engine(target_dir, draft_dir, *, windows: dict, device: str = "cud
 
     target = load_target(target_dir)
     return CudaEngine(Speculator(target, load_speculators(draft_dir, target)), **windows, device=device,
-                      kernels=kernels, group=GROUP, exact=exact)
+                      kernels=kernels, group=GROUP, exact=exact, compile=compile)

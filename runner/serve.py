@@ -777,6 +777,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda.add_argument("--device", default="cuda")
     cuda.add_argument("--kernels", action="store_true", help="the INT4 GPU kernels (runtime.cuda_quant=int4)")
     cuda.add_argument("--no-exact", dest="exact", action="store_false", help="decode at T=1 (runtime.exact=false)")
+    cuda.add_argument("--compile", choices=("none", "inductor"), default="none",
+                      help="torch.compile the dense engine's calls before capture (runtime.cuda_compile)")
     args = p.parse_args(argv)
     if args.queue_size < 0 or args.max_body_bytes < 1 or args.drain_s < 0 or args.stream_interval_s < 0:
         p.error("--queue-size must be >= 0, --max-body-bytes >= 1, --drain-s and --stream-interval-s >= 0")
@@ -805,7 +807,8 @@ def main(argv: list[str] | None = None) -> int:
         windows = dict(max_m=args.max_m, default_chain=args.chain, max_prefill_chunk=args.max_prefill_chunk,
                        min_prefill_chunk=args.min_prefill_chunk or args.max_m + 1)
         engine = load_cuda_engine(args.target, args.draft, windows=windows, device=args.device,
-                                  kernels=args.kernels, exact=args.exact)
+                                  kernels=args.kernels, exact=args.exact,
+                                  compile=None if args.compile == "none" else args.compile)
         model = args.model_name or str(args.draft)
     tokenizer = Tokenizer.from_file(str(args.tokenizer))
     template = (args.chat_template.read_text(encoding="utf-8") if args.chat_template

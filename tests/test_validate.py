@@ -35,6 +35,8 @@ def test_the_default_and_smoke_configs_pass():
     ("runtime.policy=greedy", "runtime.policy='greedy': one of static, adaptive"),
     ("runtime.engine=gpu", "runtime.engine='gpu': one of pte, eager, cuda"),
     ("runtime.cuda_quant=int8", "runtime.cuda_quant='int8': one of none, int4"),
+    ("runtime.cuda_compile=max", "runtime.cuda_compile='max': one of none, inductor"),
+    ("runtime.cuda_compile=inductor runtime.cuda_quant=int4", "runtime.cuda_compile='inductor': none with runtime.cuda_quant=int4"),
     ("runtime.exact=maybe", "runtime.exact='maybe': one of True, False, auto"),
     ("runtime.exact_width=1", "runtime.exact_width=1: an int in [2, 8]"),
     ("runtime.exact=true runtime.exact_width=3 runtime.chain=4", "runtime.chain=4: at most runtime.exact_width - 1 = 2"),
