@@ -392,9 +392,16 @@ def preset_shape(out: dict, save, prompt_len: int = 64) -> None:
         save()
 
 
-def gemma(out: dict, save, context: int = 128) -> None:
+def hf_gemma3():
+    """transformers' Gemma3ForCausalLM of GEMMA3_270M's config, random weights, bf16 on the GPU."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+    cfg = Gemma3TextConfig(**{k: v for k, v in GEMMA3_270M.items() if k != "model_type"})
+    with torch.device("cuda"):
+        return Gemma3ForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def gemma(out: dict, save, context: int = 128) -> None:
     out.update({"context": context, "new_tokens": NEW_TOKENS, "engine": {}, "transformers": {}})
     ids = [prompt(context, GEMMA3_270M["vocab_size"], s) for s in range(2)]
     for kernels in (False, True):
@@ -408,9 +415,7 @@ def gemma(out: dict, save, context: int = 128) -> None:
             save()
         del engine, spec
         torch.cuda.empty_cache()
-    cfg = Gemma3TextConfig(**{k: v for k, v in GEMMA3_270M.items() if k != "model_type"})
-    with torch.device("cuda"):
-        hf = Gemma3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    hf = hf_gemma3()
     for name in ("default_cache", "static_cache"):
         hf.generation_config.cache_implementation = "static" if name == "static_cache" else None
         row = out["transformers"][name] = hf_generate(hf, ids, NEW_TOKENS)

@@ -3,8 +3,9 @@
 Gemma 3 270M's real layers with random weights (bench.cuda_engine.gemma3_layers): the engine (bf16, CUDA
 graphs, kernels off) as it is and with `compile="inductor"` (runtime.cuda_compile: each captured width through
 `torch.compile(dynamic=False)` before capture, inductor's fused kernels inside our own graphs). Beside them,
-transformers' Gemma3ForCausalLM on the same config with the static cache generate() compiles. Reports load time (compilation and capture), tokens/s at K = 0 and
-K = 3 and whether the compiled engine's ids equal the plain engine's.
+transformers' Gemma3ForCausalLM on the same config with the static cache generate() compiles. Reports load time
+(compilation and capture), tokens/s at K = 0 and K = 3 and whether the compiled engine's ids equal the plain
+engine's.
 
     python3 -m bench.lab.compile_probe --out $OUT/compile_probe.json
 """
@@ -17,7 +18,8 @@ import time
 
 import torch
 
-from bench.cuda_engine import GEMMA3_270M, NEW_TOKENS, SHAPES, engine_generate, hf_generate, prompt, random_speculator
+from bench.cuda_engine import (GEMMA3_270M, NEW_TOKENS, SHAPES, engine_generate, hf_gemma3, hf_generate, prompt,
+                               random_speculator)
 from runner.cuda_engine import CudaEngine
 
 
@@ -55,11 +57,7 @@ def main() -> None:
             save()
         del engine, spec
         torch.cuda.empty_cache()
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    cfg = Gemma3TextConfig(**{k: v for k, v in GEMMA3_270M.items() if k != "model_type"})
-    with torch.device("cuda"):
-        hf = Gemma3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    hf = hf_gemma3()
     hf.generation_config.cache_implementation = "static"
     r = hf_generate(hf, ids, NEW_TOKENS)
     out["transformers_static_compiled"] = {"tokens_per_s": r["tokens_per_s"], "first_call_s": r["first_call_s"]}
