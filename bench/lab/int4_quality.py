@@ -2,8 +2,10 @@
 
     python -m bench.lab.int4_quality --target outputs/store/target/<key> --out bench/results/cpu-int4-quality-<name>.json
 
-The .pte's int4 is 8da4w: int8 dynamic per-token activations and int4 weights in symmetric groups of 32 (the
-only blockwise 4-bit layout XNNPACK runs), every linear the lm_head included. This loads a target artifact,
+The scheme it weighs, "the .pte's int4", is symmetric 8da4w: int8 dynamic per-token activations and int4 weights
+in symmetric groups of 32 (the only blockwise 4-bit layout XNNPACK runs), every linear the lm_head included; what
+the draft keeps and what the target had before its groups carried offsets (export_pte.GroupOffsetLinear, which
+this investigation led to). This loads a target artifact,
 quantises copies of it several ways and gives each one's mean next-token loss (nats) over held-out corpus windows
 beside the fp32 target's: the scheme the .pte uses, the same without the activation rounding, the same with an
 fp32 lm_head, and asymmetric weight groups (what a Q4_1 GGUF stores: w = d*q + m per block of 32). A target
