@@ -318,6 +318,15 @@ def target_quant(export_quant: str) -> str:
     return "int4" if export_quant == "int4" else "none"
 
 
+def target_row_tile(export_quant: str) -> dict | None:
+    """`row_tile` of the target's weights under `export_quant`, or None where ExecuTorch is not installed: no .pte
+    is lowered or run there (a GPU machine that trains a draft for a CPU .pte), so there is no tile to fit."""
+    if not has_executorch():
+        log.info("ExecuTorch is not installed here: no .pte is built or run, XNNPACK's row tile is not measured")
+        return None
+    return row_tile(target_quant(export_quant))
+
+
 def resolve_default_chain(value, *, max_m: int, backend: str, quant: str, engine: str) -> int:
     """export.default_chain: an int is kept; `auto` is min(DEFAULT_CHAIN, max_m - 1), and on XNNPACK also at most
     row tile - 1, so the default window T = K+1 is one pass of the GEMM over the target's weights on this CPU."""
@@ -326,12 +335,8 @@ def resolve_default_chain(value, *, max_m: int, backend: str, quant: str, engine
     if value != AUTO:
         return int(value)
     chain = min(DEFAULT_CHAIN, max_m - 1)
-    if engine != "cuda" and backend == "xnnpack" and not has_executorch():
-        # a GPU machine that trains a draft for a CPU .pte: no program is lowered or run here, so no tile to fit
-        log.info("export.default_chain=auto: K=%d (ExecuTorch is not installed here: no .pte is built or run, "
-                 "XNNPACK's row tile is not measured)", chain)
-    elif engine != "cuda" and backend == "xnnpack":
-        tile = row_tile(target_quant(quant))
+    tile = target_row_tile(quant) if engine != "cuda" and backend == "xnnpack" else None
+    if tile is not None:
         chain = max(1, min(chain, tile["tile"] - 1))
         log.info("export.default_chain=auto: K=%d (XNNPACK's %s GEMM takes %d rows a pass on this CPU, %s)", chain,
                  "fp32" if target_quant(quant) == "none" else "8da4w", tile["tile"], tile["capability"])
@@ -349,14 +354,14 @@ def resolve_exact(value, *, engine: str, quant: str) -> bool:
 
 
 def resolve_exact_width(value, *, max_m: int, backend: str, quant: str, engine: str) -> int:
-    """runtime.exact_width: an int is kept; `auto` is max_m on the CUDA engine, and elsewhere the rows XNNPACK's
-    GEMM takes in one pass for the target's weights on this CPU (`row_tile`, at least 2, at most max_m): the
-    exact K=0 then decodes at about the cost of one row, and K goes up to width - 1."""
+    """runtime.exact_width: an int is kept; `auto` is max_m on the CUDA engine and where no .pte runs, elsewhere
+    the rows XNNPACK's GEMM takes in one pass for the target's weights on this CPU (`row_tile`, at least 2, at most
+    max_m): the exact K=0 then decodes at about the cost of one row, and K goes up to width - 1."""
     if value != AUTO:
         return int(value)
-    if engine == "cuda" or backend != "xnnpack":
+    tile = target_row_tile(quant) if engine != "cuda" and backend == "xnnpack" else None
+    if tile is None:
         return max_m
-    tile = row_tile(target_quant(quant))
     width = max(2, min(max_m, tile["tile"]))
     log.info("runtime.exact_width=auto: %d rows (XNNPACK's %s GEMM takes %d rows a pass on this CPU, %s)", width,
              "fp32" if target_quant(quant) == "none" else "8da4w", tile["tile"], tile["capability"])
