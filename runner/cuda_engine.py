@@ -141,14 +141,14 @@ class _Round(_Call):
         return out[1 : out[0] + 2]
 
 
-def compiled(spec: Speculator, backend: str | None, max_m: int):
+def compiled(spec: Speculator, backend: str, max_m: int):
     """(target_decode, target_verify, draft_decode) of `spec`, each through `torch.compile(backend=backend,
-    dynamic=False)` when a backend is named: one graph per captured width, so the engine's CUDA graphs replay
+    dynamic=False)` unless the backend is "none": one graph per captured width, so the engine's CUDA graphs replay
     inductor's fused kernels (on Gemma 3's layers, 235 -> 714 tokens/s at K = 0; docs/results.md). Static
     shapes because each width is captured once; the prompt's wider calls stay eager (a new length would
     compile again). Dynamo's recompile limit is raised to the widths captured (2 * max_m)."""
     fns = (spec.target_decode, spec.target_verify, spec.draft_decode)
-    if not backend:
+    if backend == "none":
         return fns
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * max_m)
     return tuple(torch.compile(fn, backend=backend, dynamic=False) for fn in fns)
@@ -160,7 +160,7 @@ class CudaEngine(Engine):
     def __init__(self, speculator: Speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                  min_prefill_chunk: int = 1, device: str | torch.device = "cuda", dtype: str = "bfloat16",
                  kernels: bool = False, group: int = 128, graphs: bool = True, exact: bool = False,
-                 compile: str | None = None, manifest_hash: str = ""):
+                 compile: str = "none", manifest_hash: str = ""):
         from kernels.rule import check_max_m
 
         if dtype not in DTYPES:
@@ -168,7 +168,7 @@ class CudaEngine(Engine):
         self.device = torch.device(device)
         if graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}; pass graphs=False")
-        if compile and kernels:
+        if compile != "none" and kernels:
             raise ValueError(f"compile={compile!r} takes the dense engine (kernels off): inductor around the INT4 "
                              "kernels is not built")
         if kernels and (self.device.type != "cuda" or dtype != "bfloat16"):
@@ -277,7 +277,7 @@ GROUP = 128  # the INT4 group of the CUDA kernels (the Gluon GEMM's; kernels.tra
 
 
 def load_cuda_engine(target_dir, draft_dir, *, windows: dict, device: str = "cuda", kernels: bool = False,
-                     exact: bool = True, compile: str | None = None) -> CudaEngine:
+                     exact: bool = True, compile: str = "none") -> CudaEngine:
     """A CudaEngine over a target and a draft artifact (their directories) in the call windows `windows`
     (max_m, default_chain, max_prefill_chunk, min_prefill_chunk: pipeline.export_pte.windows of the export
     config, the ones a .pte would be lowered for). The eval and serve stages and `python -m runner.serve

@@ -807,8 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         windows = dict(max_m=args.max_m, default_chain=args.chain, max_prefill_chunk=args.max_prefill_chunk,
                        min_prefill_chunk=args.min_prefill_chunk or args.max_m + 1)
         engine = load_cuda_engine(args.target, args.draft, windows=windows, device=args.device,
-                                  kernels=args.kernels, exact=args.exact,
-                                  compile=None if args.compile == "none" else args.compile)
+                                  kernels=args.kernels, exact=args.exact, compile=args.compile)
         model = args.model_name or str(args.draft)
     tokenizer = Tokenizer.from_file(str(args.tokenizer))
     template = (args.chat_template.read_text(encoding="utf-8") if args.chat_template

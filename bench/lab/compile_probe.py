@@ -43,7 +43,7 @@ def main() -> None:
     for mode in ("plain", "compiled"):
         spec = random_speculator(SHAPES["gemma3_270m_layers"], max_seq_len=args.context + NEW_TOKENS + 2 * args.max_m)
         t = time.perf_counter()
-        engine = CudaEngine(spec, device="cuda", compile="inductor" if mode == "compiled" else None, **windows)
+        engine = CudaEngine(spec, device="cuda", compile="inductor" if mode == "compiled" else "none", **windows)
         row = out["engine"][mode] = {"load_s": time.perf_counter() - t}
         print(f"{mode}: load {row['load_s']:.1f} s", flush=True)
         for k in map(int, args.chains.split(",")):
