@@ -37,7 +37,7 @@ positions (`meta["max_seq_len"]`) so that they stay inside the cache. The price 
 
 Compile (`compile="inductor"`, `runtime.cuda_compile`): the dense engine's per-width calls go through
 `torch.compile` before capture, so each graph replays inductor's fused kernels instead of ~40 unfused ops a
-layer; the compilation (one per width) is paid at load. Exact mode holds as it does without: every call of a
+layer; the compilation (a handful of graphs whatever max_m: `compiled`) is paid at load. Exact mode holds as it does without: every call of a
 width runs the same compiled graph.
 
 The draft's cache-gap guard reads positions on the host, which a graph cannot do: it is off here, and the
@@ -142,16 +142,18 @@ class _Round(_Call):
 
 
 def compiled(spec: Speculator, backend: str, max_m: int):
-    """(target_decode, target_verify, draft_decode) of `spec`, each through `torch.compile(backend=backend,
-    dynamic=False)` unless the backend is "none": one graph per captured width, so the engine's CUDA graphs replay
-    inductor's fused kernels (on Gemma 3's layers, 235 -> 714 tokens/s at K = 0; docs/results.md). Static
-    shapes because each width is captured once; the prompt's wider calls stay eager (a new length would
-    compile again). Dynamo's recompile limit is raised to the widths captured (2 * max_m)."""
+    """(target_decode, target_verify, draft_decode) of `spec`, each through `torch.compile(backend=backend)`
+    unless the backend is "none", so the engine's CUDA graphs replay inductor's fused kernels (docs/results.md:
+    on SmolLM2 616 against 287 tokens/s at K = 0). Dynamo's automatic dynamic shapes: a function's first
+    width compiles static, its second once with the row count symbolic, which serves every later width, so
+    the 2 * max_m captured widths compile a handful of graphs (six at most in tests/test_runner_cuda_engine.py)
+    instead of one each (about 27 s apiece on Gemma 3). The prompt's wider calls stay eager (once per prompt).
+    The recompile limit is raised to the widths captured, in case a backend specialises each one."""
     fns = (spec.target_decode, spec.target_verify, spec.draft_decode)
     if backend == "none":
         return fns
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * max_m)
-    return tuple(torch.compile(fn, backend=backend, dynamic=False) for fn in fns)
+    return tuple(torch.compile(fn, backend=backend) for fn in fns)
 
 
 class CudaEngine(Engine):

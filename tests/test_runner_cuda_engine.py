@@ -194,8 +194,9 @@ def test_the_cuda_engine_takes_its_kernels_from_runtime_cuda_quant_not_export_qu
 
 def test_compiled_calls_give_the_plain_engines_tokens_at_every_chain():
     """`compile` puts each captured width through torch.compile (the aot_eager backend here: inductor's C++
-    build of every width would take minutes of CI; its GPU run is in docs/results.md): the compiled calls are
-    the ones the loop runs (dynamo saw graphs), and every K gives the plain engine's tokens."""
+    build would take minutes of CI; its GPU run is in docs/results.md): the compiled calls are the ones the
+    loop runs (dynamo saw graphs), every K gives the plain engine's tokens, and the 2 * max_m widths of
+    every K compile a handful of graphs (automatic dynamic shapes), not one per width."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -203,10 +204,10 @@ def test_compiled_calls_give_the_plain_engines_tokens_at_every_chain():
     plain = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, **WINDOWS)
     mine = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, compile="aot_eager", **WINDOWS)
     for prompt in prompts(2, seed=11):
-        for k in (0, 1, WINDOWS["max_m"] - 1):
+        for k in range(WINDOWS["max_m"]):
             assert generate(mine, prompt, chain=k, max_new_tokens=20).output_ids == \
                 generate(plain, prompt, chain=k, max_new_tokens=20).output_ids
-    assert counters["stats"]["unique_graphs"] > 0
+    assert 0 < counters["stats"]["unique_graphs"] <= 6 < 2 * WINDOWS["max_m"]
     with pytest.raises(ValueError, match="compile='inductor' takes the dense engine"):
         CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, kernels=True, compile="inductor",
                    **WINDOWS)
