@@ -15,15 +15,16 @@ every program in turn, so a load change on a shared machine hits all of them ali
 medians over all repetitions (compare ratios, not absolute times, between runs). One thread in the
 ExecuTorch threadpool unless --threads says otherwise; torch's own at one, as runner.engine runs a program.
 
-Latency is the runtime's own `execute()` of the loaded method (inputs are set beforehand and outputs are
-not copied, via the pybinding's set_inputs / execute), with a 64-token prefill (and the draft seeded on its
+Latency is the runtime's own `execute()` of the loaded method (inputs are set beforehand and outputs are not
+copied, via the pybinding's set_inputs / execute), with a 64-token prefill (and the draft seeded on its
 feature) in the caches first so attention sees a realistic context. Rows: target_decode (T=1, the K=0
-baseline), target_verify at every T in [2, max_m], draft_decode T=1 back to back, draft_decode T=1 right
-after a target_verify (T=max_m; the round's order, where the target's weights have just passed through the
-caches), the draft steps of a round (verify T=K+1 then K draft steps, K = default chain; mean of the K),
-prefill at its max chunk. Each row also gives its ratio to target_decode, of the medians and of the 10th
-percentiles (on a busy machine the low percentile is the steadier estimate of a call's own cost). A verify that costs about as
-much as a decode step is what makes speculation pay (docs/design.md §5).
+baseline), target_verify and target_verify_exact (exact mode's call) at every T in [2, max_m], draft_decode
+T=1 back to back, draft_decode T=1 right after a target_verify (T=max_m; the round's order, where the target's
+weights have just passed through the caches), the draft steps of a round (verify T=K+1 then K draft steps, K =
+default chain; mean of the K), prefill at its max chunk. Each row also gives its ratio to target_decode, of
+the medians and of the 10th percentiles (on a busy machine the low percentile is the steadier estimate of a
+call's own cost). A verify that costs about as much as a decode step is what makes speculation pay
+(docs/design.md §5).
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ class Bench:
         get = lambda name: prog.load_method(name).execute([])[0]  # noqa: E731
         max_m, hidden, vocab = get("get_max_m"), get("get_hidden_size"), get("get_vocab_size")
         max_prefill, min_prefill, chain = get("get_max_prefill_chunk"), get("get_min_prefill_chunk"), get("get_chain_len")
-        self.m = {name: prog.load_method(name)._method for name in ("prefill", "target_verify", "target_decode",
-                                                                   "draft_decode")}
+        names = ("prefill", "target_verify", "target_verify_exact", "target_decode", "draft_decode")
+        self.m = {name: prog.load_method(name)._method for name in names if name in prog.method_names}
         g = torch.Generator().manual_seed(0)
         P = max(min(64, max_prefill), min_prefill)
         prompt = torch.randint(0, vocab, (1, P), generator=g)
@@ -114,6 +115,8 @@ class Bench:
         self.cases = {"target_decode T=1": [("target_decode", ids(1), True)]}
         for T in range(2, max_m + 1):
             self.cases[f"target_verify T={T}"] = [("target_verify", ids(T), True)]
+        for T in range(2, max_m + 1) if "target_verify_exact" in self.m else ():
+            self.cases[f"target_verify_exact T={T}"] = [("target_verify_exact", ids(T), True)]
         self.cases["draft_decode T=1 back to back"] = [("draft_decode", draft_in, True)]
         self.cases["draft_decode T=1 after verify"] = [("target_verify", ids(max_m), False),
                                                        ("draft_decode", draft_in, True)]

@@ -86,7 +86,8 @@ def test_cached_prefix_then_new_positions_equals_full_recompute(variant):
 def test_the_exports_attention_and_norms_equal_the_reference(variant):
     """kv_impl "llama_ops" (llama::update_cache / custom_sdpa over a [B, S, kv, hd] cache from the start
     position) with fc-mean norms gives the reference's logits and taps: a prefill, a rejected window
-    overwritten by every verify width T, and T=1."""
+    overwritten by every verify width T, and T=1; and so does the exact call's attention over the whole cache
+    (`full_cache`: two matmuls under the mask, Attention.attend_whole_cache)."""
     from models.layers import set_fc_mean
 
     ref = tiny_target(**VARIANTS[variant])
@@ -100,10 +101,11 @@ def test_the_exports_attention_and_norms_equal_the_reference(variant):
         m(torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1)), torch.arange(10, 16))
     for T in range(1, 9):
         want, want_taps = ref(tokens[:, 10:10 + T], torch.arange(10, 10 + T), taps=True)
-        got, got_taps = model(tokens[:, 10:10 + T], torch.arange(10, 10 + T), taps=True)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        for a, b in zip(got_taps, want_taps):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for full_cache in (False, True):
+            got, got_taps = model(tokens[:, 10:10 + T], torch.arange(10, 10 + T), taps=True, full_cache=full_cache)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            for a, b in zip(got_taps, want_taps):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     model.set_kv_impl("index_copy")  # and back: the reference's layout
     assert model.layers[0].self_attn.k_cache.shape[2] == model.cfg.max_seq_len
 
