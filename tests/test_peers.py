@@ -6,7 +6,6 @@ naming the install command, where llama_cpp is not installed."""
 
 from __future__ import annotations
 
-import re
 
 import pytest
 import torch
@@ -146,17 +145,16 @@ def test_summary_flags_mismatches_and_picks_the_best_of_ours():
     assert best_ours(rows)["system"] == "ours fp32 K=3"  # the best static K; the faster adaptive row is compared with it
 
 
-def test_llama_cpp_decodes_our_greedy_tokens(tmp_path):
-    """The GGUF check on a random target: llama.cpp's greedy tokens from the prompt ids are ours."""
+def test_llama_cpp_in_a_process_of_its_own_decodes_our_greedy_tokens_and_scores_our_loss(tmp_path):
+    """The GGUF check on a random target, through bench.llama_run's child process (how the GPU bench runs it):
+    llama.cpp's greedy tokens from the prompt ids are ours, plain and with prompt lookup, its loss over windows
+    is our eager loss, and on our own greedy continuation its argmax agrees at every position."""
+    from bench import llama_run
     from bench.peers import llama_available
 
     why = llama_available()
     if why is not None:
         pytest.skip(why)
-    from llama_cpp import Llama
-
-    from models import quiet
-
     model, tok = target(True, seed=3), tokenizer(300)
     path = peers.write_gguf(model, tok, tmp_path / "t.gguf")
     prompt = tok.encode(TEXT).ids[:12]
@@ -164,14 +162,24 @@ def test_llama_cpp_decodes_our_greedy_tokens(tmp_path):
     with torch.no_grad():
         for _ in range(16):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    with quiet.native_stderr(drop=re.compile(".")):
-        llm = Llama(str(path), n_threads=1, n_ctx=64, verbose=False)
-    got = []
-    for t in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
-        got.append(int(t))
-        if len(got) == 16:
-            break
-    assert got == ids[len(prompt):]
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    windows = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (20, 9)]
+    got = llama_run.in_child({"path": str(path), "prompts": [prompt], "new_tokens": 16, "pld": [2], "threads": 1,
+                              "windows": windows, "agree": [ids], "prompt_len": len(prompt)})
+    assert [row["outputs"] for row in got["rows"].values()] == [[ids[len(prompt):]]] * 2
+    assert got["quality"]["loss"] == pytest.approx(peers.eager_loss(model, windows), rel=1e-3)
+    assert got["quality"]["greedy_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_llama_runs_numpy_loss_is_the_torch_one(seed):
+    """bench.llama_run.nll (numpy, no torch in llama.cpp's process) against bench.peers._nll on fresh logits."""
+    from bench import llama_run
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())) + seed)
+    logits = torch.randn(7, 50, generator=g) * 5
+    targets = torch.randint(0, 50, (7,), generator=g).tolist()
+    assert llama_run.nll(logits.numpy(), targets) == pytest.approx(peers._nll(logits, targets), rel=1e-9)
 
 
 def test_the_pte_loss_and_greedy_reference_are_the_eager_targets(tiny_pte, seed):
