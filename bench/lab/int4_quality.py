@@ -10,6 +10,11 @@ quantises copies of it several ways and gives each one's mean next-token loss (n
 beside the fp32 target's: the scheme the .pte uses, the same without the activation rounding, the same with an
 fp32 lm_head, and asymmetric weight groups (what a Q4_1 GGUF stores: w = d*q + m per block of 32). A target
 dequantised from a 4-bit GGUF is rounded a second time by any scheme that does not match the file's.
+
+Also the CUDA engine's INT4 weights (`runtime.cuda_quant=int4`: kernels.int4_gemm.quantize_int4, asymmetric
+groups of 128, or 32 where 128 does not divide the width, every linear the lm_head included), dequantised back
+into the fp32 model: the weights' share of the loss (the kernels' bf16 activations are not modelled), with the
+zero kept in bf16 as quantize_int4 keeps it and, for comparison, rounded to a code in 0..15 as it was before.
 """
 
 from __future__ import annotations
@@ -55,6 +60,23 @@ def main(argv=None) -> int:
             Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=group,
                                                   weight_mapping_type=MappingType.ASYMMETRIC), True),
     }
+    from kernels.int4_gemm import dequantize_int4, quantize_int4
+
+    def cuda_int4(model, code_zero: bool):
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                g = 128 if m.in_features % 128 == 0 else 32
+                w = m.weight.data
+                if code_zero:  # the zero rounded to a code and clamped, w = (q - z) * s
+                    wg = w.reshape(w.shape[0], -1, g)
+                    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+                    sc = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16).float()
+                    z = (-lo / sc).round().clamp(0, 15)
+                    m.weight.data = (((wg / sc + z).round().clamp(0, 15) - z) * sc).reshape(w.shape)
+                else:
+                    m.weight.data = dequantize_int4(*quantize_int4(w, g), g, torch.float32)
+        return model
+
     t0 = time.perf_counter()
     fp32 = eager_loss(target, windows)
     result = {"target": str(args.target), "windows": len(windows), "window_tokens": args.length,
@@ -64,6 +86,14 @@ def main(argv=None) -> int:
         model = copy.deepcopy(target)
         quantize_(model, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and m.in_features % args.group == 0
                   and (head or not fqn.endswith("lm_head")))
+        loss = eager_loss(model, windows)
+        result["schemes"][name] = {"loss": round(loss, 4), "loss_vs_fp32": round(loss - fp32, 4)}
+        print(f"{name}: {loss:.4f} ({loss - fp32:+.4f})")
+    for name, code_zero in (("CUDA kernels' int4 (zero in bf16)", False), ("CUDA kernels' int4, zero rounded to a code",
+                                                                           True)):
+        model = cuda_int4(copy.deepcopy(target), code_zero)
+        if target.cfg.tie_embeddings:  # the kernels quantise the lm_head; the embedding stays as it was
+            model.embed_tokens.weight = nn.Parameter(target.embed_tokens.weight.detach().clone())
         loss = eager_loss(model, windows)
         result["schemes"][name] = {"loss": round(loss, 4), "loss_vs_fp32": round(loss - fp32, 4)}
         print(f"{name}: {loss:.4f} ({loss - fp32:+.4f})")
