@@ -14,7 +14,8 @@ dequantised from a 4-bit GGUF is rounded a second time by any scheme that does n
 Also the CUDA engine's INT4 weights (`runtime.cuda_quant=int4`: kernels.int4_gemm.quantize_int4, asymmetric
 groups of 128, or 32 where 128 does not divide the width, every linear the lm_head included), dequantised back
 into the fp32 model: the weights' share of the loss (the kernels' bf16 activations are not modelled), with the
-zero kept in bf16 as quantize_int4 keeps it and, for comparison, rounded to a code in 0..15 as it was before.
+zero kept in bf16 as quantize_int4 keeps it, rounded to a code in 0..15 as it was before, and at group 32 with and
+without the lm_head (a GGUF's 4-bit blocks are 32 wide; its token table is often wider than 4 bits).
 """
 
 from __future__ import annotations
@@ -62,10 +63,14 @@ def main(argv=None) -> int:
     }
     from kernels.int4_gemm import dequantize_int4, quantize_int4
 
-    def cuda_int4(model, code_zero: bool):
-        for m in model.modules():
-            if isinstance(m, nn.Linear):
-                g = 128 if m.in_features % 128 == 0 else 32
+    def cuda_int4(model, code_zero: bool = False, group: int = 128, head: bool = True):
+        """The kernels' weights: groups of `group` (32 where it does not divide the width), the lm_head too
+        unless `head` is False; the embedding stays as it is (a tied one is untied from the head)."""
+        if target.cfg.tie_embeddings:
+            model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear) and (head or not name.endswith("lm_head")):
+                g = group if m.in_features % group == 0 else 32
                 w = m.weight.data
                 if code_zero:  # the zero rounded to a code and clamped, w = (q - z) * s
                     wg = w.reshape(w.shape[0], -1, g)
@@ -89,12 +94,12 @@ def main(argv=None) -> int:
         loss = eager_loss(model, windows)
         result["schemes"][name] = {"loss": round(loss, 4), "loss_vs_fp32": round(loss - fp32, 4)}
         print(f"{name}: {loss:.4f} ({loss - fp32:+.4f})")
-    for name, code_zero in (("CUDA kernels' int4 (zero in bf16)", False), ("CUDA kernels' int4, zero rounded to a code",
-                                                                           True)):
-        model = cuda_int4(copy.deepcopy(target), code_zero)
-        if target.cfg.tie_embeddings:  # the kernels quantise the lm_head; the embedding stays as it was
-            model.embed_tokens.weight = nn.Parameter(target.embed_tokens.weight.detach().clone())
-        loss = eager_loss(model, windows)
+    cuda = {"CUDA kernels' int4, group 128 (the engine's)": {},
+            "CUDA kernels' int4, group 128, zero rounded to a code (before)": {"code_zero": True},
+            "CUDA kernels' int4, group 32": {"group": 32},
+            "CUDA kernels' int4, group 32, lm_head bf16": {"group": 32, "head": False}}
+    for name, kw in cuda.items():
+        loss = eager_loss(cuda_int4(copy.deepcopy(target), **kw), windows)
         result["schemes"][name] = {"loss": round(loss, 4), "loss_vs_fp32": round(loss - fp32, 4)}
         print(f"{name}: {loss:.4f} ({loss - fp32:+.4f})")
     result["seconds"] = round(time.perf_counter() - t0, 1)
