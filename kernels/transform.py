@@ -156,10 +156,10 @@ class _KernelAttention:
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return rope(self.q_proj(x), cos, sin, self.n_heads), rope(self.k_proj(x), cos, sin, self.n_kv_heads), v
 
-    def forward(self, x, cos, sin, mask, input_pos=None, full_cache: bool = False):
+    def forward(self, x, cos, sin, mask, input_pos=None):
         self._q_pos = input_pos
         try:
-            return super().forward(x, cos, sin, mask, input_pos, full_cache)
+            return super().forward(x, cos, sin, mask, input_pos)
         finally:
             self._q_pos = None
 

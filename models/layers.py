@@ -249,12 +249,11 @@ class Attention(nn.Module):
         self.kv_impl = impl
         self.setup_cache(batch, length)
 
-    def forward_llama_ops(self, x, cos, sin, mask, input_pos, full_cache: bool = False):
+    def forward_llama_ops(self, x, cos, sin, mask, input_pos):
         """The cached path on ExecuTorch's llama ops (`input_pos`: the positions [T], or the start position
         as an int, which the models compute once per call with `start_position`): q/k/v stay [B, T, heads, hd] (the ops' layout, no
         transposes), RoPE broadcasts over the heads, K/V go into the cache at start = input_pos[0], and
-        custom_sdpa attends causally from start (mask None) or under the additive float mask [T, S];
-        `full_cache` (the exact call) attends over the whole cache under that mask (`attend_whole_cache`)."""
+        custom_sdpa attends causally from start (mask None) or under the additive float mask [T, S]."""
         B, T, _ = x.shape  # views name T as -1: XNNPACK takes a reshape with one inferred dim, none with a symbol
         q = self.q_proj(x).view(B, -1, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, -1, self.n_kv_heads, self.head_dim)
@@ -274,30 +273,12 @@ class Attention(nn.Module):
         start = input_pos if isinstance(input_pos, (int, torch.SymInt)) else start_position(input_pos, self.k_cache.shape[1])
         torch.ops.llama.update_cache(k, self.k_cache, start)
         torch.ops.llama.update_cache(v, self.v_cache, start)
-        if full_cache:
-            return self.o_proj(self.attend_whole_cache(q, mask))
         out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start, mask, 0.0, mask is None, self.scale)
         return self.o_proj(out.view(B, -1, self.n_heads * self.head_dim))
 
-    def attend_whole_cache(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T * scale + mask) v over every slot of the llama-ops cache, as two batched matmuls:
-        q [B, T, h, hd], mask additive [T, S] -> [B, T, h * hd]. The exact call's attention (`full_cache`):
-        the reduction runs over all S keys whatever the call's start, so a row's bits depend on its position,
-        its inputs and the cache alone, and a GEMM costs a fraction of custom_sdpa's masked path over the same
-        keys (SmolLM2's 30 layers at T = 8 over 512 slots: 5 against 15 ms at one thread). A kv head's `rep`
-        query heads go in one matmul as rep * T rows, so K and V are read as they are, not repeated."""
-        B, kv, hd = q.shape[0], self.n_kv_heads, self.head_dim
-        rep = self.n_heads // kv
-        S = self.k_cache.shape[1]
-        qg = q.transpose(1, 2).contiguous().view(B, kv, -1, hd)  # heads g * rep + r -> kv head g, rows (r, t)
-        scores = torch.matmul(qg, self.k_cache.permute(0, 2, 3, 1).contiguous()) * self.scale  # [B, kv, rep*T, S]
-        p = torch.softmax(scores.view(B, kv, rep, -1, S) + mask, dim=-1)
-        out = torch.matmul(p.view(B, kv, -1, S), self.v_cache.transpose(1, 2).contiguous())  # [B, kv, rep*T, hd]
-        return out.view(B, kv, rep, -1, hd).permute(0, 3, 1, 2, 4).contiguous().view(B, -1, self.n_heads * hd)
-
-    def forward(self, x, cos, sin, mask, input_pos=None, full_cache: bool = False):
+    def forward(self, x, cos, sin, mask, input_pos=None):
         if input_pos is not None and self.kv_impl == "llama_ops":
-            return self.forward_llama_ops(x, cos, sin, mask, input_pos, full_cache)
+            return self.forward_llama_ops(x, cos, sin, mask, input_pos)
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         if input_pos is not None:

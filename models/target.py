@@ -56,8 +56,8 @@ class Block(nn.Module):
         self.mlp = MLP(H, cfg.intermediate_size, cfg.hidden_act)
         self.mlp_output_norm = norm() if cfg.output_norms else None
 
-    def forward(self, h, cos, sin, mask, input_pos=None, full_cache: bool = False):
-        a = self.self_attn(self.input_layernorm(h), cos, sin, mask, input_pos, full_cache)
+    def forward(self, h, cos, sin, mask, input_pos=None):
+        a = self.self_attn(self.input_layernorm(h), cos, sin, mask, input_pos)
         if self.attn_output_norm is not None:
             a = self.attn_output_norm(a)
         h = h + a
@@ -134,7 +134,7 @@ class Transformer(nn.Module):
         tapped = [h] if 0 in tap_layers else []
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self.cfg.local_rope(i)]
-            h = layer(h, cos, sin, masks[self.cfg.window(i)], input_pos, full_cache)
+            h = layer(h, cos, sin, masks[self.cfg.window(i)], input_pos)
             if i + 1 in tap_layers:
                 tapped.append(h)
         return h, tapped

@@ -87,7 +87,7 @@ def test_the_exports_attention_and_norms_equal_the_reference(variant):
     """kv_impl "llama_ops" (llama::update_cache / custom_sdpa over a [B, S, kv, hd] cache from the start
     position) with fc-mean norms gives the reference's logits and taps: a prefill, a rejected window
     overwritten by every verify width T, and T=1; and so does the exact call's attention over the whole cache
-    (`full_cache`: two matmuls under the mask, Attention.attend_whole_cache)."""
+    under a mask (`full_cache`)."""
     from models.layers import set_fc_mean
 
     ref = tiny_target(**VARIANTS[variant])

@@ -36,9 +36,8 @@ from pipeline.store import building, hash_tree, scratch_dir
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 6  # 2: get_sliding_window is a required constant method; 3: the llama_ops / fc-norm graph;
-# 4: target_verify_exact (exact mode); 5: an int4 target's groups carry offsets; 6: the exact call attends
-# through two matmuls (models.layers.Attention.attend_whole_cache)
+SCHEMA_VERSION = 5  # 2: get_sliding_window is a required constant method; 3: the llama_ops / fc-norm graph;
+# 4: target_verify_exact (exact mode); 5: an int4 target's groups carry offsets
 UPSTREAM = ("target", "draft")
 CONFIG_KEYS = ("export",)
 
