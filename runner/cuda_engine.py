@@ -37,8 +37,10 @@ positions (`meta["max_seq_len"]`) so that they stay inside the cache. The price 
 
 Compile (`compile="inductor"`, `runtime.cuda_compile`): the dense engine's per-width calls go through
 `torch.compile` before capture, so each graph replays inductor's fused kernels instead of ~40 unfused ops a
-layer; the compilation (a handful of graphs whatever max_m: `compiled`) is paid at load. Exact mode holds as it does without: every call of a
-width runs the same compiled graph.
+layer; the compilation (a handful of graphs whatever max_m: `compiled`) is paid at load. Exact mode holds as
+it does without: every call of a width runs the same compiled graph. Known: on the H200 the compiled rounds
+accept fewer proposals than the same draft does uncompiled (docs/results.md, SmolLM2's real weights), which the
+CPU tests do not reproduce.
 
 The draft's cache-gap guard reads positions on the host, which a graph cannot do: it is off here, and the
 loop's own bookkeeping (runner.generate) keeps writes contiguous.
