@@ -513,10 +513,6 @@ def hf_decode(model, prompts, new_tokens: int) -> dict:
     return row
 
 
-def first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def score(logits_of, windows, agree_seqs, prompt_len: int) -> dict:
     """One system's quality from `logits_of(ids) -> [T, V]` (every row's logits): its held-out loss over the
     windows, and over the bf16 model's own greedy continuations the share of the AGREE_TOKENS positions whose
@@ -538,7 +534,7 @@ def our_logits(target):
 def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens: int, parts: set[str]) -> None:
     """A real preset's GGUF and its trained draft on one GPU (module doc, `real`)."""
     from bench import llama_run
-    from bench.peers import PEERS_INSTALL, PRESETS, hf_model_from_gguf, make_prompts
+    from bench.peers import PEERS_INSTALL, PRESETS, common_prefix, hf_model_from_gguf, make_prompts
 
     log = lambda msg: print(f"real {name}: {msg}", flush=True)  # noqa: E731
     t = time.perf_counter()
@@ -609,7 +605,7 @@ def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens:
         for row in [out["engine"].get("int4 exact", {}).get(0), *out.get("llama.cpp", {}).values(),
                     *out["transformers"].values()]:
             if row:
-                row["tokens_until_first_difference"] = [first_difference(a, b) for a, b in zip(row["outputs"], base)]
+                row["tokens_until_first_difference"] = [common_prefix(a, b) for a, b in zip(row["outputs"], base)]
         save()
 
 

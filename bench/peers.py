@@ -1021,7 +1021,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-f32-gguf", dest="f32_gguf", action="store_false",
                     help="skip the f32 GGUF of a preset's target dequantised (llama.cpp on the fp32 .pte's bytes)")
     ap.add_argument("--llama-extra-bufts", action="store_true",
-                    help="let llama.cpp use its AMX / repacked buffers (they segfault here: bench.llama_run.extra_buffer_types)")
+                    help="let llama.cpp use its AMX / repacked buffers (they segfault here: "
+                         "bench.llama_run.extra_buffer_types)")
     ap.add_argument("--skip", default="", help="comma-separated families to skip: hf, llama")
     ap.add_argument("--store", type=Path, default=Path(os.environ.get("PIPELINE_OUTPUTS", ROOT / "outputs")) / "store")
     ap.add_argument("--out", type=Path, default=RESULTS)
