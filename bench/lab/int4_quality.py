@@ -14,8 +14,9 @@ dequantised from a 4-bit GGUF is rounded a second time by any scheme that does n
 Also the CUDA engine's INT4 weights (`runtime.cuda_quant=int4`: kernels.int4_gemm.quantize_int4, asymmetric
 groups of 128, or 32 where 128 does not divide the width, every linear the lm_head included), dequantised back
 into the fp32 model: the weights' share of the loss (the kernels' bf16 activations are not modelled), with the
-zero kept in bf16 as quantize_int4 keeps it, rounded to a code in 0..15 as it was before, and at group 32 with and
-without the lm_head (a GGUF's 4-bit blocks are 32 wide; its token table is often wider than 4 bits).
+zero as quantize_int4 chooses it, every zero an integer code in 0..15 as it was before, every zero a bf16 number,
+and at group 32 with and without the lm_head (a GGUF's 4-bit blocks are 32 wide; its token table is often wider
+than 4 bits).
 """
 
 from __future__ import annotations
@@ -63,23 +64,25 @@ def main(argv=None) -> int:
     }
     from kernels.int4_gemm import dequantize_int4, quantize_int4
 
-    def cuda_int4(model, code_zero: bool = False, group: int = 128, head: bool = True):
+    def cuda_int4(model, zero: str = "engine", group: int = 128, head: bool = True):
         """The kernels' weights: groups of `group` (32 where it does not divide the width), the lm_head too
-        unless `head` is False; the embedding stays as it is (a tied one is untied from the head)."""
+        unless `head` is False; the embedding stays as it is (a tied one is untied from the head). `zero`:
+        quantize_int4's own ("engine"), or every group's zero rounded to a code ("code") or kept as a bf16
+        number ("fraction")."""
         if target.cfg.tie_embeddings:
             model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
         for name, m in model.named_modules():
             if isinstance(m, nn.Linear) and (head or not name.endswith("lm_head")):
                 g = group if m.in_features % group == 0 else 32
                 w = m.weight.data
-                if code_zero:  # the zero rounded to a code and clamped, w = (q - z) * s
-                    wg = w.reshape(w.shape[0], -1, g)
-                    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-                    sc = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16).float()
-                    z = (-lo / sc).round().clamp(0, 15)
-                    m.weight.data = (((wg / sc + z).round().clamp(0, 15) - z) * sc).reshape(w.shape)
-                else:
+                if zero == "engine":
                     m.weight.data = dequantize_int4(*quantize_int4(w, g), g, torch.float32)
+                    continue
+                wg = w.reshape(w.shape[0], -1, g)
+                lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+                sc = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16).float()
+                z = (-lo / sc).round().clamp(0, 15) if zero == "code" else (-lo / sc).to(torch.bfloat16).float()
+                m.weight.data = (((wg / sc + z).round().clamp(0, 15) - z) * sc).reshape(w.shape)
         return model
 
     t0 = time.perf_counter()
@@ -95,7 +98,8 @@ def main(argv=None) -> int:
         result["schemes"][name] = {"loss": round(loss, 4), "loss_vs_fp32": round(loss - fp32, 4)}
         print(f"{name}: {loss:.4f} ({loss - fp32:+.4f})")
     cuda = {"CUDA kernels' int4, group 128 (the engine's)": {},
-            "CUDA kernels' int4, group 128, zero rounded to a code (before)": {"code_zero": True},
+            "CUDA kernels' int4, group 128, every zero an integer code (before)": {"zero": "code"},
+            "CUDA kernels' int4, group 128, every zero a bf16 number": {"zero": "fraction"},
             "CUDA kernels' int4, group 32": {"group": 32},
             "CUDA kernels' int4, group 32, lm_head bf16": {"group": 32, "head": False}}
     for name, kw in cuda.items():
