@@ -272,17 +272,18 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, **kw) -> dict:
 
 def engine_generate(engine, prompts: list[list[int]], chain: int, new_tokens: int) -> dict:
     """The engine at chain K on each prompt (a short warm-up first): tokens/s over the whole generation, the
-    decode-only rate, tau."""
+    decode-only rate, tau, the median prefill ms (the target over the prompt, then the draft seeded with it)."""
     generate(engine, prompts[0], chain=chain, max_new_tokens=16)  # warm
-    outs, secs, decode_tokens, decode_ms, rounds, emitted = [], 0.0, 0, 0.0, 0, 0
+    outs, secs, decode_tokens, decode_ms, rounds, emitted, prefill = [], 0.0, 0, 0.0, 0, 0, []
     for ids in prompts:
         r, s = wall(lambda: generate(engine, ids, chain=chain, max_new_tokens=new_tokens))
         outs.append(r.output_ids)
         secs += s
         decode_tokens, decode_ms = decode_tokens + r.decode_tokens, decode_ms + r.decode_ms
         rounds, emitted = rounds + r.rounds, emitted + sum(r.emitted)
+        prefill.append(r.prefill_ms)
     return {"tokens_per_s": sum(len(o) for o in outs) / secs, "decode_tokens_per_s": decode_tokens / decode_ms * 1e3,
-            "tau": emitted / rounds if rounds else 1.0, "outputs": outs}
+            "tau": emitted / rounds if rounds else 1.0, "prefill_ms": statistics.median(prefill), "outputs": outs}
 
 
 def hf_llama(target: Transformer, n_layers: int | None = None):
@@ -486,15 +487,6 @@ def engine_rows(engine, prompts, chains, new_tokens, log, save) -> dict:
     return rows
 
 
-def prefill_ms(engine, prompts) -> float:
-    """Median ms of the engine's prefill (the target over the prompt, then the draft seeded with it)."""
-    times = []
-    for ids in prompts:
-        r, _ = wall(lambda: generate(engine, ids, chain=0, max_new_tokens=1))
-        times.append(r.prefill_ms)
-    return statistics.median(times)
-
-
 def hf_decode(model, prompts, new_tokens: int) -> dict:
     """transformers' generate (its generation config as set): whole-generation tokens/s, then the decode-only
     rate from a second pass with bench.peers' streamer clock (from the first token handed over after the
@@ -513,22 +505,10 @@ def hf_decode(model, prompts, new_tokens: int) -> dict:
     return row
 
 
-def score(logits_of, windows, agree_seqs, prompt_len: int) -> dict:
-    """One system's quality from `logits_of(ids) -> [T, V]` (every row's logits): its held-out loss over the
-    windows, and over the bf16 model's own greedy continuations the share of the AGREE_TOKENS positions whose
-    argmax is the bf16 model's token (teacher-forced: every position sees the same context)."""
-    from bench.peers import _nll
-
-    nll = sum(_nll(logits_of(ids)[:-1].float().cpu(), ids[1:]) for ids in windows)
-    agree = [float((logits_of(ids)[prompt_len - 1:-1].argmax(-1).cpu() == torch.tensor(ids[prompt_len:]))
-                   .float().mean()) for ids in agree_seqs]
-    return {"loss": round(nll / sum(len(w) - 1 for w in windows), 4),
-            "greedy_agreement": round(statistics.mean(agree), 4)}
-
-
 def our_logits(target):
+    """`ids -> every row's logits` (numpy float32) of a stateless forward of our target, for llama_run.quality."""
     device = next(target.parameters()).device
-    return torch.no_grad()(lambda ids: target(torch.tensor([ids], device=device))[0])
+    return torch.no_grad()(lambda ids: target(torch.tensor([ids], device=device))[0].float().cpu().numpy())
 
 
 def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens: int, parts: set[str]) -> None:
@@ -564,12 +544,12 @@ def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens:
             log(f"engine {mode} failed: {out['errors'][mode]}")
             torch.cuda.empty_cache()
             continue
-        out["prefill_ms"][mode] = prefill_ms(engine, prompts)
+        out["prefill_ms"][mode] = out["engine"][mode][0]["prefill_ms"]
         if mode == "bf16":
             agree_seqs = [p + o[:AGREE_TOKENS] for p, o in zip(prompts, out["engine"][mode][0]["outputs"])]
         if quality and agree_seqs and mode != "bf16 inductor":
-            out["quality"][f"ours {mode.split()[0]}"] = score(our_logits(engine.spec.target), windows, agree_seqs,
-                                                              prompt_len)
+            out["quality"][f"ours {mode.split()[0]}"] = llama_run.quality(our_logits(engine.spec.target), windows,
+                                                                          agree_seqs, prompt_len)
             log(f"quality {mode}: {out['quality'][f'ours {mode.split()[0]}']}")
         del engine
         torch.cuda.empty_cache()
@@ -589,9 +569,9 @@ def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens:
         save()
     elif "llama" in parts:
         log(f"llama.cpp skipped: llama_cpp is not installed ({PEERS_INSTALL})")
-    for row in out["quality"].values():
-        if "ours bf16" in out["quality"]:
-            row["loss_vs_bf16"] = round(row["loss"] - out["quality"]["ours bf16"]["loss"], 4)
+    reference = out["quality"].get("ours bf16")
+    for row in out["quality"].values() if reference else ():
+        row["loss_vs_bf16"] = round(row["loss"] - reference["loss"], 4)
     options = [o for o, part in (("greedy", "hf_default"), ("static_compiled", "hf")) if part in parts]
     hf = hf_model_from_gguf(path).to("cuda", torch.bfloat16) if options else None
     for option in options:  # static_compiled last: it sets hf's cache for good

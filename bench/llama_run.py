@@ -14,6 +14,7 @@ where windows are given).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -107,16 +108,16 @@ def nll(logits, targets: list[int]) -> float:
     return float((lse - x[np.arange(len(targets)), targets]).sum())
 
 
-def quality(llm, windows: list[list[int]], agree: list[list[int]], prompt_len: int) -> dict:
-    """Mean next-token loss over the windows, and the share of the positions after prompt_len in `agree` (a
-    reference model's greedy continuations) whose argmax is the reference's token."""
+def quality(logits_of, windows: list[list[int]], agree: list[list[int]], prompt_len: int) -> dict:
+    """A model's quality from `logits_of(ids)` (every row's logits, numpy [len(ids), V]; `row_logits` for
+    llama.cpp): the mean next-token loss over the windows, and the share of the positions after prompt_len in
+    `agree` (a reference model's greedy continuations) whose argmax is the reference's token (teacher-forced:
+    every position sees the same context)."""
     import numpy as np
 
-    total = sum(nll(row_logits(llm, ids)[:-1], ids[1:]) for ids in windows)
-    shares = []
-    for ids in agree:
-        top = row_logits(llm, ids)[prompt_len - 1:-1].argmax(axis=1)
-        shares.append(float((top == np.asarray(ids[prompt_len:])).mean()))
+    total = sum(nll(logits_of(ids)[:-1], ids[1:]) for ids in windows)
+    shares = [float((logits_of(ids)[prompt_len - 1:-1].argmax(axis=1) == np.asarray(ids[prompt_len:])).mean())
+              for ids in agree]
     return {"loss": round(total / sum(len(w) - 1 for w in windows), 4),
             "greedy_agreement": round(sum(shares) / len(shares), 4) if shares else math.nan}
 
@@ -147,7 +148,8 @@ def run_job(job: dict) -> dict:
     if job.get("windows"):
         n_ctx = max(map(len, job["windows"] + job.get("agree", []))) + 16
         llm = load(path, threads=threads, n_ctx=n_ctx, gpu_layers=gpu, logits_all=True)
-        out["quality"] = quality(llm, job["windows"], job.get("agree", []), job.get("prompt_len", 0))
+        out["quality"] = quality(functools.partial(row_logits, llm), job["windows"], job.get("agree", []),
+                                 job.get("prompt_len", 0))
     return out
 
 

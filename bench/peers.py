@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import logging
 import os
@@ -674,7 +675,7 @@ def pte_loss(engine, windows: list[list[int]]) -> float:
 def llama_loss(path: Path, windows: list[list[int]], threads: int) -> float:
     """The same through llama.cpp on a GGUF: every position's logits of one batched eval per window."""
     llm = llama_run.load(path, threads=threads, n_ctx=max(map(len, windows)) + 16, logits_all=True)
-    return llama_run.quality(llm, windows, [], 0)["loss"]
+    return llama_run.quality(functools.partial(llama_run.row_logits, llm), windows, [], 0)["loss"]
 
 
 def quality(target_model, engines: dict, ggufs: dict[str, Path], rows: list[dict], windows: list[list[int]],
