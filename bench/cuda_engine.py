@@ -5,7 +5,7 @@
     python3 -m bench.cuda_engine --only preset,gemma --store outputs/store --out $OUT/peers.json
     python3 -m bench.cuda_engine --only preset_shape --out $OUT/preset_shape.json
     LLAMA_CPP_LIB_PATH=<llama.cpp CUDA build>/bin python3 -m bench.cuda_engine --only real --target gemma3_270m \
-        --draft DIR --prompts 4 --new-tokens 256 --out $OUT/real.json
+        --draft DIR --prompts 4 --new-tokens 256 --out $OUT/real.json [--parts ...] [--resume]
 
 check   transformers' greedy (fp32, its own LlamaForCausalLM) against the engine with the kernels off in
         fp32 on the same weights, 64 tokens on several prompts; and the engine in bf16 with graphs (kernels
@@ -31,9 +31,9 @@ preset_shape  the preset's shape with random weights: the engine's K = 0 against
         default cache and with its compiled static cache.
 real    a real preset (--target gemma3_270m | smollm2_135m: the GGUF its package holds, read as the pipeline
         reads it) and its trained draft (--draft, a speculators directory) on the preset's own prompts:
-        the engine in bf16 at K = 0 (the quality reference), INT4 on the kernels in exact mode and bf16
-        through inductor (runtime.cuda_compile) at K = 0 and every K, each with its load seconds and prefill
-        ms; llama.cpp's CUDA build on the same GGUF (every layer offloaded, in a process of its own:
+        the engine in bf16 at K = 0 (the quality reference), INT4 on the kernels in exact mode (group 128,
+        and group 32 with a bf16 lm_head) and bf16 through inductor (runtime.cuda_compile) at K = 0 and every
+        K, each with its load seconds and prefill ms; llama.cpp's CUDA build on the same GGUF (every layer offloaded, in a process of its own:
         bench.llama_run), plain and with prompt lookup;
         transformers on the same GGUF in bf16, default cache and compiled static cache. Whole-generation and
         decode-only tokens/s for each. Quality against the bf16 engine's target: held-out loss over corpus
@@ -441,7 +441,12 @@ def gemma(out: dict, save, context: int = 128) -> None:
 
 # --- real: a real GGUF target and its trained draft against transformers and llama.cpp ----------------------
 REAL_CHAINS = tuple(range(MAX_M))
-REAL_PARTS = ("bf16", "int4_exact", "bf16_inductor", "llama", "quality", "hf", "hf_default")
+# the engine's modes in `real`: part name -> (label, CudaEngine options); bf16 first, the quality reference
+REAL_MODES = {"bf16": ("bf16", {}),
+              "int4_exact": ("int4 exact", dict(kernels=True, exact=True)),
+              "int4_g32_exact": ("int4 g32 exact", dict(kernels=True, exact=True, group=32, dense=("lm_head",))),
+              "bf16_inductor": ("bf16 inductor", dict(compile="inductor"))}
+REAL_PARTS = (*REAL_MODES, "llama", "quality", "hf", "hf_default")
 QUALITY_WINDOWS, QUALITY_LEN, AGREE_TOKENS = 16, 192, 128
 
 
@@ -522,45 +527,49 @@ def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens:
     prompt_len = preset["runtime"]["prompt_len"]
     prompts = make_prompts(tokenizer, PRESETS[name][2], template, n_prompts, prompt_len, seed=0)
     out.update({"gguf": path.name, "draft": str(draft_dir), "n_prompts": n_prompts, "prompt_len": prompt_len,
-                "new_tokens": new_tokens, "target_load_s": round(time.perf_counter() - t, 1), "engine": {},
-                "load_s": {}, "prefill_ms": {}, "transformers": {}, "quality": {}})
+                "new_tokens": new_tokens, "target_load_s": round(time.perf_counter() - t, 1)})
+    for key in ("engine", "load_s", "prefill_ms", "transformers", "quality"):  # a resumed run keeps its rows
+        out.setdefault(key, {})
+    out["engine"] = {mode: {int(k): row for k, row in rows.items()} for mode, rows in out["engine"].items()}
     log(f"target and draft read in {out['target_load_s']} s; {n_prompts} prompts of {prompt_len} tokens")
     windows = make_prompts(tokenizer, "plain", None, QUALITY_WINDOWS, QUALITY_LEN, seed=1)
     quality = "quality" in parts
-    agree_seqs = None
     # bf16 first: its K = 0 outputs are the reference the other systems' agreement is taken against
-    for mode, kw in (("bf16", {}), ("int4 exact", dict(kernels=True, exact=True)),
-                     ("bf16 inductor", dict(compile="inductor"))):
-        if mode.replace(" ", "_") not in parts:
+    reference = lambda: out["engine"].get("bf16", {}).get(0, {}).get("outputs")  # noqa: E731
+    agree = lambda: [p + o[:AGREE_TOKENS] for p, o in zip(prompts, reference())] if reference() else None  # noqa: E731
+    for part, (mode, kw) in REAL_MODES.items():
+        if part not in parts:
             continue
         try:
             engine, out["load_s"][mode] = timed_engine(spec, **kw)
             log(f"engine {mode} loaded in {out['load_s'][mode]:.1f} s")
-            chains = (0,) if mode == "bf16" else REAL_CHAINS
-            out["engine"][mode] = engine_rows(engine, prompts, chains, new_tokens, lambda m: log(f"{mode} {m}"),
-                                              save)
+            out["engine"][mode] = engine_rows(engine, prompts, REAL_CHAINS, new_tokens,
+                                              lambda m: log(f"{mode} {m}"), save)
         except Exception as e:  # noqa: BLE001 -- one engine's failure is a finding; the peers still run
             out.setdefault("errors", {})[mode] = f"{type(e).__name__}: {e}"
             log(f"engine {mode} failed: {out['errors'][mode]}")
             torch.cuda.empty_cache()
             continue
         out["prefill_ms"][mode] = out["engine"][mode][0]["prefill_ms"]
-        if mode == "bf16":
-            agree_seqs = [p + o[:AGREE_TOKENS] for p, o in zip(prompts, out["engine"][mode][0]["outputs"])]
-        if quality and agree_seqs and mode != "bf16 inductor":
-            out["quality"][f"ours {mode.split()[0]}"] = llama_run.quality(our_logits(engine.spec.target), windows,
-                                                                          agree_seqs, prompt_len)
-            log(f"quality {mode}: {out['quality'][f'ours {mode.split()[0]}']}")
+        if quality and agree() and mode != "bf16 inductor":  # the same weights as bf16's
+            label = f"ours {mode.removesuffix(' exact')}"
+            out["quality"][label] = llama_run.quality(our_logits(engine.spec.target), windows, agree(), prompt_len)
+            log(f"quality {mode}: {out['quality'][label]}")
         del engine
         torch.cuda.empty_cache()
         save()
-    base = out["engine"].get("bf16", {}).get(0, {}).get("outputs")
+    base = reference()
     if "llama" in parts and importlib.util.find_spec("llama_cpp"):
         # llama.cpp's CUDA build in a process without torch (bench.llama_run: they abort in one process)
         job = {"path": str(path), "prompts": prompts, "new_tokens": new_tokens, "gpu_layers": -1, "threads": 4}
-        if quality and agree_seqs:
-            job.update(windows=windows, agree=agree_seqs, prompt_len=prompt_len)
-        got = llama_run.in_child(job)
+        if quality and agree():
+            job.update(windows=windows, agree=agree(), prompt_len=prompt_len)
+        try:
+            got = llama_run.in_child(job)
+        except Exception as e:  # noqa: BLE001 -- as an engine's: a finding, the rest still runs
+            got = {"load_s": None, "rows": {}}
+            out.setdefault("errors", {})["llama.cpp"] = f"{type(e).__name__}: {e}"
+            log(f"llama.cpp failed: {out['errors']['llama.cpp']}")
         out["llama_load_s"], out["llama.cpp"] = got["load_s"], got["rows"]
         for label, row in got["rows"].items():
             log(f"{label}: {row['tokens_per_s']:.0f} tokens/s, decode {row['decode_tokens_per_s']:.0f}")
@@ -569,9 +578,9 @@ def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens:
         save()
     elif "llama" in parts:
         log(f"llama.cpp skipped: llama_cpp is not installed ({PEERS_INSTALL})")
-    reference = out["quality"].get("ours bf16")
-    for row in out["quality"].values() if reference else ():
-        row["loss_vs_bf16"] = round(row["loss"] - reference["loss"], 4)
+    bf16_quality = out["quality"].get("ours bf16")
+    for row in out["quality"].values() if bf16_quality else ():
+        row["loss_vs_bf16"] = round(row["loss"] - bf16_quality["loss"], 4)
     options = [o for o, part in (("greedy", "hf_default"), ("static_compiled", "hf")) if part in parts]
     hf = hf_model_from_gguf(path).to("cuda", torch.bfloat16) if options else None
     for option in options:  # static_compiled last: it sets hf's cache for good
@@ -582,7 +591,8 @@ def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens:
             f"(first call {row['first_call_s']:.0f} s)")
         save()
     if base:  # free-running greedy: tokens until the first difference from the bf16 engine's K = 0
-        for row in [out["engine"].get("int4 exact", {}).get(0), *out.get("llama.cpp", {}).values(),
+        int4 = [rows.get(0) for mode, rows in out["engine"].items() if mode.startswith("int4")]
+        for row in [*int4, *out.get("llama.cpp", {}).values(),
                     *out["transformers"].values()]:
             if row:
                 row["tokens_until_first_difference"] = [common_prefix(a, b) for a, b in zip(row["outputs"], base)]
@@ -659,6 +669,9 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="real: a real preset (gemma3_270m, smollm2_135m)")
     ap.add_argument("--draft", default=None, help="real: the preset's trained draft (a speculators directory)")
     ap.add_argument("--parts", default=",".join(REAL_PARTS), help=f"real: what to run, of {REAL_PARTS}")
+    ap.add_argument("--resume", action="store_true",
+                    help="real: start from --out's saved run (same target, draft and prompts); the parts run now "
+                         "replace their own rows, the others stay")
     args = ap.parse_args()
     for flag, chosen, known in (("--modes", args.modes, MODES), ("--peers", args.peers, PEERS),
                                 ("--parts", args.parts, REAL_PARTS)):
@@ -675,6 +688,8 @@ def main() -> None:
         ap.error("--out is needed to measure (or --from to print a saved run)")
     only = set(args.only.split(","))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "max_m": MAX_M}
+    if args.resume and Path(args.out).exists():
+        result = {**json.load(open(args.out)), **result}
     if "check" in only:
         result["check"] = check()
         print("check:", json.dumps(result["check"]))

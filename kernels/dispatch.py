@@ -29,13 +29,16 @@ def int4_matmul(x2: torch.Tensor, packed, scale_zero, group: int, tinygemm=None)
 
 def int4_linear(x: torch.Tensor, packed, scale_zero, group: int, max_m: int, bias=None,
                 tinygemm=None) -> torch.Tensor:
-    """x [..., K] bf16 -> [..., N]: the faster INT4 GEMM when the rows fit (int4_matmul), else dequantise +
-    dense matmul."""
+    """x [..., K] bf16 -> [..., N]: the faster INT4 GEMM when the rows fit (int4_matmul); wider calls (the
+    prompt's) on torch's int4 GEMM where the layer keeps its layout (one launch at any M), else dequantise +
+    dense matmul (about ten eager launches a layer, which made an INT4 prompt slower than a bf16 one)."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"int4_linear takes bfloat16 activations; got {x.dtype}")
     x2 = x.reshape(-1, x.shape[-1])
     if use_small_m(x2.shape[0], max_m):
         y = int4_matmul(x2, packed, scale_zero, group, tinygemm)
+    elif tinygemm is not None:
+        y = tinygemm_mm(x2, *tinygemm, group)
     else:
         y = x2 @ dequantize_int4(packed, scale_zero, group, x.dtype).t()
     if bias is not None:

@@ -180,11 +180,13 @@ def _kernel_class(cls: type) -> type:
 
 
 def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = True,
-               norm_rope: bool = True) -> nn.Module:
+               norm_rope: bool = True, dense: tuple[str, ...] = ()) -> nn.Module:
     """In place: linears -> Int4Linear, attention -> sdpa_midm for T <= max_m. Returns the model.
     fuse=True: q/k/v and gate/up each become one GEMM over concatenated weights (SharedInputInt4), as
     vLLM's QKV and gate|up layers do (fewer, larger launches: faster at T <= max_m, docs/results.md).
-    norm_rope=True: RMSNorm, RoPE and the SwiGLU product as one launch each (kernels.norm_rope)."""
+    norm_rope=True: RMSNorm, RoPE and the SwiGLU product as one launch each (kernels.norm_rope).
+    dense: names of linears that keep their weights (e.g. "lm_head": the output layer is where 4 bits cost
+    a real model most, docs/results.md)."""
     check_max_m(max_m)
     windows = {}
     cfg = getattr(model, "cfg", None)
@@ -210,6 +212,6 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
             module.__class__ = KernelMLP
             module.kernel_swiglu = norm_rope
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and name not in dense:
                 setattr(module, name, Int4Linear(child, group, max_m))
     return model

@@ -163,7 +163,8 @@ class CudaEngine(Engine):
 
     def __init__(self, speculator: Speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                  min_prefill_chunk: int = 1, device: str | torch.device = "cuda", dtype: str = "bfloat16",
-                 kernels: bool = False, group: int = 128, graphs: bool = True, exact: bool = False,
+                 kernels: bool = False, group: int = 128, dense: tuple[str, ...] = (), graphs: bool = True,
+                 exact: bool = False,
                  compile: str = "none", manifest_hash: str = ""):
         from kernels.rule import check_max_m
 
@@ -183,8 +184,8 @@ class CudaEngine(Engine):
         if kernels:
             from kernels.transform import to_kernels
 
-            to_kernels(spec.target, max_m=max_m, group=group)
-            to_kernels(spec.draft, max_m=max_m, group=group)
+            to_kernels(spec.target, max_m=max_m, group=group, dense=dense)
+            to_kernels(spec.draft, max_m=max_m, group=group, dense=dense)
         spec.draft.check_gaps = False
         self.spec = spec
         self.meta = speculator_meta(spec, max_m=max_m, default_chain=default_chain,
