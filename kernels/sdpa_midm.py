@@ -9,7 +9,11 @@ Key j is visible to row m iff j <= q_pos[m] (and j < valid_len, and inside the w
 that is read is [0, end) with end = min(valid_len, max(q_pos) + 1, L), computed on the device, so the
 launch has no host sync and can be captured in a CUDA graph.
 
-Kernel 1 (grid SPLITS x B*Hkv): a program owns one KV head and one of SPLITS equal chunks of [0, end).
+Kernel 1 (grid SPLITS x B*Hkv): a program owns one KV head and one of SPLITS equal chunks of [0, L), its
+part of [0, end). The chunk boundaries depend on L alone, so a row's keys meet the same splits and tiles in
+every call, whatever the other rows: its output bits depend on its own position and the cache, which is
+what the engine's exact mode needs (a call's last position moving the boundaries made one SmolLM2 prompt in
+four leave the K = 0 tokens at some K on the H200). A split past `end` stores an empty partial.
 All G*M query rows of that KV head (G heads x M rows, padded to BLOCK_R >= 16) stay resident, so each K/V
 tile is loaded once for every q head and every row: KV traffic is independent of G and M. Online softmax
 in fp32 (exp2 domain) gives a partial (m, l, acc) per row and split. The split count fills one wave of
@@ -84,7 +88,7 @@ def _sdpa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, vlen_ptr, ml_ptr, acc_ptr,
     end = tl.minimum(tl.max(pos, axis=0) + 1, L)
     if HAS_VLEN:
         end = tl.minimum(end, tl.load(vlen_ptr).to(tl.int32))
-    chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(L, SPLITS), BLOCK_N) * BLOCK_N  # boundaries fixed by the cache, not the call
     start = pid_s * chunk
     stop = tl.minimum(start + chunk, end)
 

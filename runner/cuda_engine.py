@@ -8,6 +8,11 @@ fused norms and RoPE), built for `max_m`, the same number that sizes the .pte's 
 rule and the exported range cannot disagree. The draft's K-1 steps per round read its weights K-1 times, so
 it gains from INT4 as the target does.
 
+INT4: the weights are quantised as loaded (float32 from the loaders: a GGUF's dequantised values) and only
+then cast, because kernels.int4_gemm.quantize_int4 keeps a GGUF's 4-bit blocks exactly only where it sees
+them unrounded; bf16 rounding hides the grid and every block is quantised again. `dense` names linears kept
+in bf16: at group 32 with a bf16 lm_head the INT4 target stays closest to the file (docs/results.md).
+
 Then one graph is captured per call shape the loop makes: target_decode at T = 1, target_verify at every
 T in [2, max_m], draft_decode at every T in [1, max_m] (seeding after a round takes a+1 <= max_m rows).
 Any K in [1, max_m - 1] is then served without a recapture. A call copies its token ids and positions into
@@ -180,12 +185,13 @@ class CudaEngine(Engine):
             raise ValueError(f"the GPU kernels take bfloat16 on CUDA; got dtype={dtype} on {self.device}")
         check_max_m(max_m)
         self.dtype = DTYPES[dtype]
-        spec = speculator.to(self.device, self.dtype).eval()
-        if kernels:
+        spec = speculator.to(self.device).eval()
+        if kernels:  # quantised from the weights as loaded (module doc, "INT4"), then the rest to bf16
             from kernels.transform import to_kernels
 
             to_kernels(spec.target, max_m=max_m, group=group, dense=dense)
             to_kernels(spec.draft, max_m=max_m, group=group, dense=dense)
+        spec = spec.to(self.dtype)
         spec.draft.check_gaps = False
         self.spec = spec
         self.meta = speculator_meta(spec, max_m=max_m, default_chain=default_chain,

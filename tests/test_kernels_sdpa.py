@@ -48,6 +48,18 @@ def test_valid_length_window_and_empty_splits(interpret, seed):
     assert check(q, k, v, q_pos, splits=7, block_n=16), f"seed {seed}"  # a split count that is not a power of 2
 
 
+def test_a_rows_bits_do_not_depend_on_the_other_rows_of_its_call(interpret, seed):
+    """The exact mode's premise: a row at position p gives the same bits alone and as the first of max_m rows,
+    whose last positions move `end` across split boundaries (p + 7 >= 128 = 4 splits of 32 keys here)."""
+    B, Hkv, G, L, D = 1, 2, 2, 256, 32
+    k, v = (torch.randn(B, Hkv, L, D).to(torch.bfloat16) for _ in range(2))
+    for p in (100, 124, 126, 127):
+        q = model_q(B, Hkv * G, MAX_M, D)
+        wide = S.launch_sdpa(q, k, v, torch.arange(p, p + MAX_M), splits=4, block_n=16)
+        alone = S.launch_sdpa(q[:, :, :1], k, v, torch.tensor([p]), splits=4, block_n=16)
+        assert torch.equal(wide[:, :, :1], alone), f"p={p} seed {seed}"
+
+
 @pytest.mark.parametrize("L,heads", [(4096, 8), (32768, 8), (131072, 8), (32768, 2), (600, 8)])
 def test_default_splits_fill_at_most_one_wave_of_long_enough_splits(L, heads):
     sms, block_n = 132, S.CONFIG["block_n"]
