@@ -31,9 +31,9 @@ preset_shape  the preset's shape with random weights: the engine's K = 0 against
         default cache and with its compiled static cache.
 real    a real preset (--target gemma3_270m | smollm2_135m: the GGUF its package holds, read as the pipeline
         reads it) and its trained draft (--draft, a speculators directory) on the preset's own prompts:
-        the engine in bf16 at K = 0 (the quality reference), INT4 on the kernels in exact mode (group 128,
-        and group 32 with a bf16 lm_head) and bf16 through inductor (runtime.cuda_compile) at K = 0 and every
-        K, each with its load seconds and prefill ms; llama.cpp's CUDA build on the same GGUF (every layer offloaded, in a process of its own:
+        the engine in bf16 (its K = 0 the quality reference), INT4 on the kernels in exact mode (each
+        runtime.cuda_quant scheme) and bf16 through inductor (runtime.cuda_compile), at K = 0 and every K,
+        each with its load seconds and prefill ms; llama.cpp's CUDA build on the same GGUF (every layer offloaded, in a process of its own:
         bench.llama_run), plain and with prompt lookup;
         transformers on the same GGUF in bf16, default cache and compiled static cache. Whole-generation and
         decode-only tokens/s for each. Quality against the bf16 engine's target: held-out loss over corpus
@@ -60,7 +60,7 @@ import torch
 from models import Speculator, Transformer, draft_config_for
 from models.config import TargetConfig
 from models.draft import Eagle3Draft
-from runner.cuda_engine import CudaEngine
+from runner.cuda_engine import QUANTS, CudaEngine
 from runner.generate import generate
 
 MAX_M = 8
@@ -443,8 +443,8 @@ def gemma(out: dict, save, context: int = 128) -> None:
 REAL_CHAINS = tuple(range(MAX_M))
 # the engine's modes in `real`: part name -> (label, CudaEngine options); bf16 first, the quality reference
 REAL_MODES = {"bf16": ("bf16", {}),
-              "int4_exact": ("int4 exact", dict(kernels=True, exact=True)),
-              "int4_g32_exact": ("int4 g32 exact", dict(kernels=True, exact=True, group=32, dense=("lm_head",))),
+              **{quant: (f"{quant} exact", dict(kernels=True, exact=True, **QUANTS[quant]))
+                 for quant in ("int4", "int4_g128")},  # runtime.cuda_quant's schemes
               "bf16_inductor": ("bf16 inductor", dict(compile="inductor"))}
 REAL_PARTS = (*REAL_MODES, "llama", "quality", "hf", "hf_default")
 QUALITY_WINDOWS, QUALITY_LEN, AGREE_TOKENS = 16, 192, 128

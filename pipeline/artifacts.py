@@ -50,7 +50,7 @@ def load_taps(path, split: str) -> dict[str, torch.Tensor]:
 
 
 ENGINES = ("pte", "eager", "cuda")
-CUDA_QUANTS = ("none", "int4")  # runtime.cuda_quant; int4: the cuda engine's INT4 GPU kernels
+CUDA_QUANTS = ("none", "int4", "int4_g128")  # runtime.cuda_quant: the keys of runner.cuda_engine.QUANTS
 CUDA_COMPILES = ("none", "inductor")  # runtime.cuda_compile: the dense cuda engine's widths through torch.compile
 
 
@@ -78,14 +78,12 @@ def load_engine(cfg, upstream: dict):
         from pipeline.export_pte import windows
         from runner.cuda_engine import load_cuda_engine
 
-        quant = str(rt.get("cuda_quant", "none"))
-        if quant not in CUDA_QUANTS:
-            raise ValueError(f"runtime.cuda_quant must be one of {', '.join(CUDA_QUANTS)}, got {quant!r}")
         compile = str(rt.get("cuda_compile", "none"))
         if compile not in CUDA_COMPILES:
             raise ValueError(f"runtime.cuda_compile must be one of {', '.join(CUDA_COMPILES)}, got {compile!r}")
         return load_cuda_engine(upstream["target"].path, upstream["draft"].path, windows=windows(cfg.export),
-                                device=rt.get("device") or "cuda", kernels=quant == "int4", exact=bool(rt.exact),
+                                device=rt.get("device") or "cuda", quant=str(rt.get("cuda_quant", "none")),
+                                exact=bool(rt.exact),
                                 compile=compile)
     pte = PteEngine(pte_path(upstream["export"]), verified=True,  # the store re-hashed the artifact's files
                     tokenizer=Path(upstream["target"].path) / "tokenizer.json")

@@ -299,8 +299,9 @@ def check_config(cfg: DictConfig) -> None:
     c.choice(f"{rt}.engine", ENGINES)
     c.choice(f"{rt}.cuda_quant", CUDA_QUANTS)
     c.choice(f"{rt}.cuda_compile", CUDA_COMPILES)
-    if c.get(f"{rt}.cuda_compile") == "inductor" and c.get(f"{rt}.cuda_quant") == "int4":
-        c.fail(f"{rt}.cuda_compile", c.get(f"{rt}.cuda_compile"), "none with runtime.cuda_quant=int4 (inductor "
+    if c.get(f"{rt}.cuda_compile") == "inductor" and c.get(f"{rt}.cuda_quant") not in ("none", None):
+        c.fail(f"{rt}.cuda_compile", c.get(f"{rt}.cuda_compile"), f"none with runtime.cuda_quant="
+               f"{c.get(f'{rt}.cuda_quant')} (inductor "
                "compiles the dense bf16 engine; the INT4 kernels are fused already)")
     if c.get(f"{rt}.engine") == "cuda":
         import torch

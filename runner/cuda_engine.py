@@ -43,9 +43,8 @@ positions (`meta["max_seq_len"]`) so that they stay inside the cache. The price 
 Compile (`compile="inductor"`, `runtime.cuda_compile`): the dense engine's per-width calls go through
 `torch.compile` before capture, so each graph replays inductor's fused kernels instead of ~40 unfused ops a
 layer; the compilation (a handful of graphs whatever max_m: `compiled`) is paid at load. Exact mode holds as
-it does without: every call of a width runs the same compiled graph. Known: on the H200 the compiled rounds
-accept fewer proposals than the same draft does uncompiled (docs/results.md, SmolLM2's real weights), which the
-CPU tests do not reproduce.
+it does without: every call of a width runs the same compiled graph. The draft's compiled rounds accept as
+the uncompiled ones do on Gemma 3 and 7-15% less on SmolLM2 (docs/results.md, "GPU: the real presets").
 
 The draft's cache-gap guard reads positions on the host, which a graph cannot do: it is off here, and the
 loop's own bookkeeping (runner.generate) keeps writes contiguous.
@@ -284,17 +283,24 @@ class CudaEngine(Engine):
         self.spec.reset()
 
 
-GROUP = 128  # the INT4 group of the CUDA kernels (the Gluon GEMM's; kernels.transform falls back to 32)
+# runtime.cuda_quant -> the INT4 kernels' options (None: bf16 weights). On both real targets (docs/results.md,
+# "GPU: the real targets") `int4` keeps the GGUF's 4-bit blocks (group 32) and the lm_head in bf16, within
+# 0.002 (SmolLM2's Q4_1) and 0.15 nats (Gemma 3's Q4_K_M, part 6-bit) of the file; `int4_g128` quantises the
+# lm_head too, at group 128: a faster K = 0 (by 12-18%), 0.13-0.85 nats from the file.
+QUANTS = {"none": None, "int4": dict(group=32, dense=("lm_head",)), "int4_g128": dict(group=128, dense=())}
 
 
-def load_cuda_engine(target_dir, draft_dir, *, windows: dict, device: str = "cuda", kernels: bool = False,
+def load_cuda_engine(target_dir, draft_dir, *, windows: dict, device: str = "cuda", quant: str = "none",
                      exact: bool = True, compile: str = "none") -> CudaEngine:
     """A CudaEngine over a target and a draft artifact (their directories) in the call windows `windows`
     (max_m, default_chain, max_prefill_chunk, min_prefill_chunk: pipeline.export_pte.windows of the export
-    config, the ones a .pte would be lowered for). The eval and serve stages and `python -m runner.serve
-    --engine cuda` build it here."""
+    config, the ones a .pte would be lowered for), its weights as `quant` (QUANTS) says. The eval and serve
+    stages and `python -m runner.serve --engine cuda` build it here."""
     from models import load_speculators, load_target
 
+    if quant not in QUANTS:
+        raise ValueError(f"runtime.cuda_quant must be one of {', '.join(QUANTS)}, got {quant!r}")
     target = load_target(target_dir)
+    kernels = QUANTS[quant] or {}
     return CudaEngine(Speculator(target, load_speculators(draft_dir, target)), **windows, device=device,
-                      kernels=kernels, group=GROUP, exact=exact, compile=compile)
+                      kernels=bool(kernels), **kernels, exact=exact, compile=compile)

@@ -73,6 +73,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from starlette.exceptions import HTTPException
 
 from models.text import render_chat, stop_ids
+from runner.cuda_engine import QUANTS
 from runner.generate import GenerationResult, generate
 from runner.policy import POLICIES
 
@@ -775,7 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda.add_argument("--max-prefill-chunk", type=int)
     cuda.add_argument("--min-prefill-chunk", type=int)
     cuda.add_argument("--device", default="cuda")
-    cuda.add_argument("--kernels", action="store_true", help="the INT4 GPU kernels (runtime.cuda_quant=int4)")
+    cuda.add_argument("--quant", choices=tuple(QUANTS), default="none",
+                      help="the weights: bf16, or the INT4 GPU kernels (runtime.cuda_quant; runner.cuda_engine.QUANTS)")
     cuda.add_argument("--no-exact", dest="exact", action="store_false", help="decode at T=1 (runtime.exact=false)")
     cuda.add_argument("--compile", choices=("none", "inductor"), default="none",
                       help="torch.compile the dense engine's calls before capture (runtime.cuda_compile)")
@@ -807,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         windows = dict(max_m=args.max_m, default_chain=args.chain, max_prefill_chunk=args.max_prefill_chunk,
                        min_prefill_chunk=args.min_prefill_chunk or args.max_m + 1)
         engine = load_cuda_engine(args.target, args.draft, windows=windows, device=args.device,
-                                  kernels=args.kernels, exact=args.exact, compile=args.compile)
+                                  quant=args.quant, exact=args.exact, compile=args.compile)
         model = args.model_name or str(args.draft)
     tokenizer = Tokenizer.from_file(str(args.tokenizer))
     template = (args.chat_template.read_text(encoding="utf-8") if args.chat_template

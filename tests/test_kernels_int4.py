@@ -32,10 +32,12 @@ def test_packing_puts_even_k_in_the_low_nibble(seed):
 
 @pytest.mark.parametrize("group", [32, 128])
 def test_quantisation_error_is_within_one_step_and_zero_is_a_level(seed, group):
-    """Fresh random groups (not 4-bit grids): every weight comes back within a step (half, plus half for the
-    rounded zero), and 0 is one of each group's levels (an integer zero in 0..15)."""
+    """Fresh random groups (not 4-bit grids), some all of one sign: every weight comes back within a step (half,
+    plus half for the rounded zero), and 0 is one of each group's levels (an integer zero in 0..15)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(16, 256, generator=g) * 3
+    w[:4] = w[:4].abs() + 1  # groups of one sign: their range still takes in 0
+    w[4:8] = -w[4:8].abs() - 1
     packed, scale_zero = G.quantize_int4(w, group)
     err = (G.dequantize_int4(packed, scale_zero, group, torch.float32) - w).abs()
     step = scale_zero[..., 0].float().t().repeat_interleave(group, dim=1)

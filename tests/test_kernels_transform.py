@@ -144,3 +144,30 @@ def test_a_width_the_group_does_not_divide_takes_group_32():
         assert m.group == group
         w = dequantize_int4(m.packed, m.scale_zero, m.group, torch.float32)
         assert (w - lin.weight).norm() / lin.weight.norm() < 0.1  # 4-bit rounding, not a wrong layout
+
+
+def test_dense_names_keep_their_linears_and_a_grid_survives_when_quantised_before_the_cast():
+    """`dense` keeps the named linears as they are; quantised from float32 weights on a 4-bit grid (a GGUF
+    block), a group comes back within its bf16 scale's rounding, while the same weights cast to bf16 first
+    are quantised again (the CudaEngine's order: to_kernels, then the cast)."""
+    torch.manual_seed(0)
+    ref = Transformer(CFG).eval()
+    with torch.no_grad():  # every 32-group of every linear on 16 levels from a float minimum, as Q4_1's blocks
+        for m in ref.modules():
+            if isinstance(m, torch.nn.Linear) and m is not ref.lm_head:
+                N, K = m.weight.shape
+                q = torch.randint(0, 16, (N, K // 32, 32)).float()
+                q[..., 0], q[..., 1] = 0, 15  # the block's minimum and maximum are levels
+                d = torch.rand(N, K // 32, 1) * 0.01 + 0.001
+                lo = -d * (torch.randint(1, 14, (N, K // 32, 1)) + 0.4)  # a float minimum below 0, off the integers
+                m.weight.copy_((lo + d * q).reshape(N, K))
+    head = ref.lm_head.weight.detach().clone()
+    grid = to_kernels(copy.deepcopy(ref), max_m=MAX_M, group=32, dense=("lm_head",))
+    cast = to_kernels(copy.deepcopy(ref).to(torch.bfloat16), max_m=MAX_M, group=32, dense=("lm_head",))
+    assert type(grid.lm_head) is torch.nn.Linear and torch.equal(grid.lm_head.weight, head)
+    w = ref.layers[0].self_attn.o_proj.weight
+    steps = w.reshape(w.shape[0], -1, 32).aminmax(dim=-1)
+    steps = ((steps.max - steps.min) / 15).repeat_interleave(32, dim=1)
+    err = {name: ((dequantize_int4(m.self_attn.o_proj.packed, m.self_attn.o_proj.scale_zero, 32, torch.float32)
+                   - w).abs() / steps).max().item() for name, m in (("grid", grid.layers[0]), ("cast", cast.layers[0]))}
+    assert err["grid"] < 0.1 < 0.3 < err["cast"], err  # in steps: the stored scale's rounding, against requantising

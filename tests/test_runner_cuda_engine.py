@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from models import Speculator, tiny_draft, tiny_target
-from runner.cuda_engine import CudaEngine
+from runner.cuda_engine import CudaEngine, load_cuda_engine
 from runner.engine import EagerEngine
 from runner.generate import generate
 
@@ -170,9 +170,9 @@ def test_graph_replays_in_float32_equal_the_eager_module():
             assert b.output_ids == a.output_ids and b.accepted == a.accepted
 
 
-@pytest.mark.parametrize("cuda_quant, export_quant, kernels", [("none", "int4", False), ("int4", "int4_draft", True)])
-def test_the_cuda_engine_takes_its_kernels_from_runtime_cuda_quant_not_export_quant(monkeypatch, cuda_quant,
-                                                                                   export_quant, kernels):
+@pytest.mark.parametrize("cuda_quant, export_quant", [("none", "int4"), ("int4", "int4_draft"), ("int4_g128", "fp32")])
+def test_the_cuda_engine_takes_its_weights_from_runtime_cuda_quant_not_export_quant(monkeypatch, cuda_quant,
+                                                                                   export_quant):
     from types import SimpleNamespace
 
     from hydra import compose, initialize_config_dir
@@ -189,7 +189,19 @@ def test_the_cuda_engine_takes_its_kernels_from_runtime_cuda_quant_not_export_qu
     monkeypatch.setattr(cuda_engine, "load_cuda_engine", lambda *args, **kw: seen.update(kw) or "engine")
     upstream = {"target": SimpleNamespace(path="target"), "draft": SimpleNamespace(path="draft")}
     assert artifacts.load_engine(cfg, upstream) == "engine"
-    assert seen["kernels"] is kernels
+    assert seen["quant"] == cuda_quant
+
+
+def test_the_configs_cuda_quant_names_are_the_engines_schemes():
+    from pipeline.artifacts import CUDA_QUANTS
+    from runner.cuda_engine import QUANTS
+
+    assert CUDA_QUANTS == tuple(QUANTS)
+
+
+def test_an_unknown_cuda_quant_is_refused_before_any_weights_are_read(tmp_path):
+    with pytest.raises(ValueError, match=r"cuda_quant must be one of none, int4, int4_g128, got 'int8'"):
+        load_cuda_engine(tmp_path / "absent", tmp_path / "absent", windows=WINDOWS, quant="int8")
 
 
 def test_compiled_calls_give_the_plain_engines_tokens_at_every_chain():
