@@ -33,8 +33,8 @@ real    a real preset (--target gemma3_270m | smollm2_135m: the GGUF its package
         reads it) and its trained draft (--draft, a speculators directory) on the preset's own prompts:
         the engine in bf16 (its K = 0 the quality reference), INT4 on the kernels in exact mode (each
         runtime.cuda_quant scheme) and bf16 through inductor (runtime.cuda_compile), at K = 0 and every K,
-        each with its load seconds and prefill ms; llama.cpp's CUDA build on the same GGUF (every layer offloaded, in a process of its own:
-        bench.llama_run), plain and with prompt lookup;
+        each with its load seconds and prefill ms; llama.cpp's CUDA build on the same GGUF (every layer
+        offloaded, in a process of its own: bench.llama_run), plain and with prompt lookup;
         transformers on the same GGUF in bf16, default cache and compiled static cache. Whole-generation and
         decode-only tokens/s for each. Quality against the bf16 engine's target: held-out loss over corpus
         windows, the share of greedy tokens that agree over 128 (teacher-forced on the bf16 model's own

@@ -62,9 +62,9 @@ def quantize_int4(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torc
     A group whose weights already sit on 16 equally spaced levels from its minimum to its maximum (a 4-bit
     GGUF block: Q4_1's min + d * q, any float min) keeps that grid: its zero is -min / scale as a bf16
     number, and the block comes back within its scale's and zero's bf16 rounding. Any other group's range is
-    widened to hold 0 and takes the integer code round(-min / scale), which puts 0 on its levels. Measured on the held-out loss at group 128
-    (bench/lab/int4_quality): SmolLM2 (Q4_1) +0.270 nats with integer zeros everywhere, +0.134 so; Gemma 3 (its
-    GGUF mostly 5 to 8 bits) +0.682 with integer zeros, +0.876 with every zero fractional."""
+    widened to hold 0 and takes the integer code round(-min / scale), which puts 0 on its levels. Measured on the
+    held-out loss at group 128 (bench/lab/int4_quality): SmolLM2 (Q4_1) +0.270 nats with integer zeros everywhere,
+    +0.134 so; Gemma 3 (its GGUF mostly 5 to 8 bits) +0.682 with integer zeros, +0.876 with every zero fractional."""
     N, K = w.shape
     if group not in GROUPS or K % group:
         raise ValueError(f"group {group} must be one of {GROUPS} and divide K={K}")

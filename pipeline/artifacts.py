@@ -83,8 +83,7 @@ def load_engine(cfg, upstream: dict):
             raise ValueError(f"runtime.cuda_compile must be one of {', '.join(CUDA_COMPILES)}, got {compile!r}")
         return load_cuda_engine(upstream["target"].path, upstream["draft"].path, windows=windows(cfg.export),
                                 device=rt.get("device") or "cuda", quant=str(rt.get("cuda_quant", "none")),
-                                exact=bool(rt.exact),
-                                compile=compile)
+                                exact=bool(rt.exact), compile=compile)
     pte = PteEngine(pte_path(upstream["export"]), verified=True,  # the store re-hashed the artifact's files
                     tokenizer=Path(upstream["target"].path) / "tokenizer.json")
     if engine == "eager":

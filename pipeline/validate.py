@@ -301,8 +301,8 @@ def check_config(cfg: DictConfig) -> None:
     c.choice(f"{rt}.cuda_compile", CUDA_COMPILES)
     if c.get(f"{rt}.cuda_compile") == "inductor" and c.get(f"{rt}.cuda_quant") not in ("none", None):
         c.fail(f"{rt}.cuda_compile", c.get(f"{rt}.cuda_compile"), f"none with runtime.cuda_quant="
-               f"{c.get(f'{rt}.cuda_quant')} (inductor "
-               "compiles the dense bf16 engine; the INT4 kernels are fused already)")
+               f"{c.get(f'{rt}.cuda_quant')} (inductor compiles the dense bf16 engine; the INT4 kernels are fused "
+               "already)")
     if c.get(f"{rt}.engine") == "cuda":
         import torch
 

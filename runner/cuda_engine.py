@@ -168,8 +168,7 @@ class CudaEngine(Engine):
     def __init__(self, speculator: Speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                  min_prefill_chunk: int = 1, device: str | torch.device = "cuda", dtype: str = "bfloat16",
                  kernels: bool = False, group: int = 128, dense: tuple[str, ...] = (), graphs: bool = True,
-                 exact: bool = False,
-                 compile: str = "none", manifest_hash: str = ""):
+                 exact: bool = False, compile: str = "none", manifest_hash: str = ""):
         from kernels.rule import check_max_m
 
         if dtype not in DTYPES:
