@@ -89,6 +89,22 @@ def test_stage_writes_shards_index_and_report(tmp_path, target_artifact, source)
         assert train["mask"].all()
 
 
+def test_a_loaded_draft_gets_taps_without_a_train_split_under_another_key(tmp_path, target_artifact):
+    from pipeline.app import key_inputs
+
+    target_art, data_cfg = target_artifact
+    trained = stage_cfg(data_cfg)
+    loaded = OmegaConf.merge(trained, {"draft": {"kind": "load", "path": str(tmp_path)}})
+    assert taps.split_counts(trained) == {"train": 10, "held_out": 4} and taps.key_extra(trained) is None
+    assert taps.split_counts(loaded) == {"train": 0, "held_out": 4}
+    assert key_inputs(loaded, taps) != key_inputs(trained, taps)
+    art = build(tmp_path / "store", loaded, target_art)
+    assert art.report["train_sequences"] == 0 and art.report["train_tokens"] == 0
+    assert load_taps(art.path, "held_out")["ids"].shape == (4, 40)
+    with pytest.raises(ValueError, match="no train shards"):
+        load_taps(art.path, "train")
+
+
 def test_stage_resumes_shard_by_shard(tmp_path, target_artifact, monkeypatch):
     target_art, data_cfg = target_artifact
     cfg = stage_cfg(data_cfg)

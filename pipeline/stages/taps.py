@@ -3,7 +3,8 @@
 Artifact (read with `pipeline.artifacts.load_taps(artifact.path, split)`):
     taps.json                     layout: source, per-split sequence and prompt lengths, tap_layers,
                                   hidden/vocab size, dtype, end token ids, shard files per split
-    train-00000.safetensors ...   shards of `taps.shard_sequences` sequences of the train split
+    train-00000.safetensors ...   shards of `taps.shard_sequences` sequences of the train split (none for a
+                                  loaded draft, `draft=load`: it reads the held-out split alone)
     held_out-00000.safetensors    the same for the held-out split (never trained on; draft eval reads it)
 Each shard holds, for n sequences of T tokens (taps.seq_len; held-out: taps.held_out_seq_len):
     ids    int32[n,T]      tokens
@@ -145,12 +146,24 @@ def write_shard(path: Path, shard: dict[str, torch.Tensor], dtype: torch.dtype) 
 
 
 # --- the stage ------------------------------------------------------------------------------------------
+def split_counts(cfg: DictConfig) -> dict[str, int]:
+    """Sequences per split. A loaded draft (`draft=load`) reads the held-out split alone, so its taps hold no
+    train split: generating one would be most of a load job's time (SmolLM2: 1,024 train sequences, 32 held out)."""
+    loads = cfg.get("draft") is not None and cfg.draft.get("kind") == "load"
+    return {"train": 0 if loads else int(cfg.taps.train_sequences), "held_out": int(cfg.taps.held_out_sequences)}
+
+
+def key_extra(cfg: DictConfig) -> dict | None:
+    """Taps without a train split are another artifact than the same config's with one."""
+    return {"train_split": False} if split_counts(cfg)["train"] == 0 else None
+
+
 def estimate_bytes(cfg: DictConfig, upstream: dict) -> int:
     """The shards: per token its id, top-1 and mask (4 + 4 + 1 bytes) and 4 H values of taps.dtype (three
     tap layers and the final state), over every sequence of both splits."""
     hidden = int(json.loads((Path(upstream["target"].path) / "config.json").read_text())["hidden_size"])
     width = torch.empty(0, dtype=getattr(torch, str(cfg.taps.dtype))).element_size()
-    counts = {"train": int(cfg.taps.train_sequences), "held_out": int(cfg.taps.held_out_sequences)}
+    counts = split_counts(cfg)
     return sum(counts[split] * T * (9 + 4 * hidden * width) for split, (T, _) in split_lengths(cfg.taps).items())
 
 
@@ -184,7 +197,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     if fmt == "chat" and source != "generate":
         raise ValueError("data.prompt_format=chat needs taps.source=generate (the target answers the requests)")
     chat_template = load_chat_template(target_dir)
-    counts = {"train": int(tc.train_sequences), "held_out": int(tc.held_out_sequences)}
+    counts = split_counts(cfg)
     sequences = {}
     for k, split in enumerate(TAPS_SPLITS):
         T, P = lengths[split]
