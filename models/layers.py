@@ -26,6 +26,7 @@ Export notes (torch.export with a dynamic T, then ExecuTorch):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +43,10 @@ def load_llama_ops() -> None:
     tracing the "llama_ops" path and before loading a .pte that calls them."""
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
 
-    from models import quiet
+    from models import exact_sdpa, quiet
 
     quiet.install()  # its KNOWN_WARNINGS hold update_cache's deprecation warning, raised on every trace
+    exact_sdpa.load_kernel()  # and ours: eagle3::exact_sdpa, the exact calls' attention
 
 
 class RMSNorm(nn.Module):
@@ -273,7 +275,11 @@ class Attention(nn.Module):
         start = input_pos if isinstance(input_pos, (int, torch.SymInt)) else start_position(input_pos, self.k_cache.shape[1])
         torch.ops.llama.update_cache(k, self.k_cache, start)
         torch.ops.llama.update_cache(v, self.v_cache, start)
-        out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start, mask, 0.0, mask is None, self.scale)
+        if isinstance(mask, RowPositions):  # exact: each row over its own keys, in one order (models.exact_sdpa)
+            out = torch.ops.eagle3.exact_sdpa(q, self.k_cache, self.v_cache, mask.q_pos, mask.window, self.scale)
+        else:
+            out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start, mask, 0.0, mask is None,
+                                              self.scale)
         return self.o_proj(out.view(B, -1, self.n_heads * self.head_dim))
 
     def forward(self, x, cos, sin, mask, input_pos=None):
@@ -340,16 +346,26 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
     return mask
 
 
+@dataclass(frozen=True)
+class RowPositions:
+    """The "mask" of an exact call on the llama ops: each row's position (and the layer's window, 0 = none);
+    the layer attends through models.exact_sdpa, each row over its own visible keys in index order."""
+    q_pos: torch.Tensor
+    window: int
+
+
 def cached_mask(kv_impl: str, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, *,
                 full_cache: bool = False):
     """The mask a cached call's layers of one window take, built once per call and shared by them:
     "index_copy": bool [T, S] (attention_mask); "llama_ops": None for a causal layer (custom_sdpa's own
-    causal rule from input_pos[0]) unless `full_cache`, else the same visibility as an additive float32 mask
-    [T, S] (0 / -inf). custom_sdpa reduces over start + T keys without a mask and over all S with one, so a
-    masked call's arithmetic for a row does not depend on where its call starts."""
+    causal rule from input_pos[0]), an additive float32 mask [T, S] (0 / -inf) for a windowed one, and with
+    `full_cache` RowPositions: custom_sdpa reduces over start + T keys without a mask and over all S with one,
+    so only the exact op keeps a row's arithmetic independent of where its call starts at the context's cost."""
     if kv_impl == "index_copy":
         return attention_mask(q_pos, k_pos, window)
-    if window is None and not full_cache:
+    if full_cache:
+        return RowPositions(q_pos, window or 0)
+    if window is None:
         return None
     return torch.where(attention_mask(q_pos, k_pos, window), 0.0, float("-inf")).to(torch.float32)
 

@@ -100,6 +100,55 @@ def test_exact_mode_reads_the_same_attention_as_plain_decoding(tiny_pte):
         torch.testing.assert_close(window_logits(engine, prompt, continuation, k), want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_exact_call_attends_through_eagle3_exact_sdpa_and_the_plain_calls_through_custom_sdpa(exact):
+    """The exact call's attention costs the context, not the cache (models.exact_sdpa): its method calls our
+    kernel and no custom_sdpa; the plain calls keep ExecuTorch's."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    pte = deserialize_pte_binary(exact[0].path.read_bytes())
+    ops = {plan.name: {f"{o.name}.{o.overload}" for o in plan.operators}
+           for plan in getattr(pte, "program", pte).execution_plan}
+    assert "eagle3::exact_sdpa.out" in ops["target_verify_exact"]
+    assert not any(op.startswith("llama::custom_sdpa") for op in ops["target_verify_exact"])
+    assert all("eagle3::exact_sdpa.out" not in ops[m] for m in ("target_verify", "target_decode", "prefill"))
+
+
+def test_the_kernel_gives_a_row_the_same_bits_alone_and_among_others_and_the_references_values(tmp_path):
+    """eagle3::exact_sdpa's ExecuTorch kernel on fresh inputs (GQA, a window): a row alone equals the same row
+    among seven others bit for bit, and every row is the PyTorch reference's to float32 rounding."""
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from models import exact_sdpa
+    from models.layers import load_llama_ops
+
+    load_llama_ops()
+
+    class Attend(torch.nn.Module):
+        def __init__(self, window):
+            super().__init__()
+            self.window = window
+
+        def forward(self, q, k, v, pos):
+            return torch.ops.eagle3.exact_sdpa(q, k, v, pos, self.window, 0.125)
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    k, v = torch.randn(2, 1, 96, 2, 64, generator=g)
+    for window in (0, 24):
+        T = torch.export.Dim("T", min=1, max=8)
+        ep = torch.export.export(Attend(window), (torch.randn(1, 3, 6, 64), k, v, torch.arange(3)),
+                                 dynamic_shapes=({1: T}, None, None, {0: T}), strict=False)
+        path = tmp_path / f"attend-{window}.pte"
+        path.write_bytes(to_edge_transform_and_lower(ep, compile_config=EdgeCompileConfig(
+            _check_ir_validity=False)).to_executorch().buffer)
+        method = Runtime.get().load_program(path).load_method("forward")
+        q, pos = torch.randn(1, 8, 6, 64, generator=g), torch.arange(40, 48)
+        rows = method.execute([q, k, v, pos])[0]
+        alone = method.execute([q[:, :1].contiguous(), k, v, pos[:1]])[0]
+        assert torch.equal(alone[0, 0], rows[0, 0]), f"window {window}"
+        torch.testing.assert_close(rows, exact_sdpa.reference(q, k, v, pos, window, 0.125), rtol=1e-5, atol=1e-5)
+
+
 def test_the_exact_width_is_refused_outside_the_programs_verify_range(exact):
     plain, _ = exact
     for width in (1, MAX_M + 1):

@@ -36,8 +36,9 @@ from pipeline.store import building, hash_tree, scratch_dir
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 5  # 2: get_sliding_window is a required constant method; 3: the llama_ops / fc-norm graph;
-# 4: target_verify_exact (exact mode); 5: an int4 target's groups carry offsets
+SCHEMA_VERSION = 7  # 2: get_sliding_window is a required constant method; 3: the llama_ops / fc-norm graph;
+# 4: target_verify_exact (exact mode); 5: an int4 target's groups carry offsets; 7: the exact call attends
+# through eagle3::exact_sdpa (6 was a matmul attention, tried and dropped)
 UPSTREAM = ("target", "draft")
 CONFIG_KEYS = ("export",)
 

@@ -1,0 +1,104 @@
+"""`eagle3::exact_sdpa`: cached attention whose rows' bits do not depend on the call they are in.
+
+Row t attends the keys of its KV head from max(0, pos[t] - window + 1) (window 0: from 0) to pos[t], one key
+after another in index order, so a position gives the same bits in a decode, in any verify window and in a
+prefill, which is what the .pte's exact mode needs (docs/design.md §4), and the call costs its context, not the
+cache: llama::custom_sdpa gives call-independent rows only under a mask over every cache slot, which cost
+SmolLM2's exact call 9.1 of its 24.6 ms (docs/results.md, "CPU: against peers").
+
+Two halves, one definition: the op for torch (a PyTorch reference for eager runs and export, a fake for
+tracing) and its ExecuTorch kernel (exact_sdpa.cpp), compiled on first use against the executorch wheel's
+headers and libraries into the user's cache (`kernel_library`) and loaded into this process's runtime
+(`load_kernel`: runner.engine.PteEngine does it through models.layers.load_llama_ops). The reference and the
+kernel agree to float32 rounding; only the kernel's bits are call-independent, and only the kernel runs in a .pte.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.library import Library
+
+SOURCE = Path(__file__).with_name("exact_sdpa.cpp")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17",
+         "-DET_USE_THREADPOOL")
+
+_lib = Library("eagle3", "FRAGMENT")
+_lib.define("exact_sdpa(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, int window, float scale) -> Tensor")
+_lib.define("exact_sdpa.out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, int window, float scale, *, "
+            "Tensor(a!) out) -> Tensor(a!)")
+
+
+def reference(q, k_cache, v_cache, input_pos, window: int, scale: float) -> torch.Tensor:
+    """q [1, T, Hq, D] over the caches [1, S, Hkv, D] -> [1, T, Hq, D]: softmax over the visible keys."""
+    S, G = k_cache.shape[1], q.shape[2] // k_cache.shape[2]
+    j = torch.arange(S, device=q.device)
+    visible = j[None, :] <= input_pos[:, None]
+    if window > 0:
+        visible = visible & (j[None, :] > input_pos[:, None] - window)
+    k = k_cache[0].repeat_interleave(G, dim=1).float()  # [S, Hq, D]
+    v = v_cache[0].repeat_interleave(G, dim=1).float()
+    s = torch.einsum("thd,shd->hts", q[0].float(), k) * scale
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hts,shd->thd", p, v).unsqueeze(0).to(q.dtype).contiguous()
+
+
+def _out(q, k_cache, v_cache, input_pos, window, scale, *, out):
+    out.copy_(reference(q, k_cache, v_cache, input_pos, window, scale))
+    return out
+
+
+_lib.impl("exact_sdpa", reference, "CompositeExplicitAutograd")
+_lib.impl("exact_sdpa.out", _out, "CompositeExplicitAutograd")
+torch.library.register_fake("eagle3::exact_sdpa")(lambda q, k, v, pos, window, scale: torch.empty_like(q))
+
+
+def _executorch_root() -> Path:
+    return Path(importlib.util.find_spec("executorch").submodule_search_locations[0])
+
+
+def kernel_library() -> Path:
+    """The compiled kernel for this source, these flags and this executorch, built once into the user's
+    cache (written atomically: a crash leaves no half-written library)."""
+    et = _executorch_root()
+    torch_include = Path(torch.__file__).parent / "include"
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + str(et).encode()
+                         + (et / "version.py").read_bytes()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3-pipeline"
+    path = cache / f"libexact_sdpa-{key}.so"
+    if path.is_file():
+        return path
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("models.exact_sdpa: building the exact-mode attention kernel needs a C++ compiler "
+                           "(g++ or $CXX); none was found on PATH")
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / path.name
+        cmd = [compiler, *FLAGS, f"-I{et / 'include'}", f"-I{et / 'include/executorch/runtime/core/portable_type/c10'}",
+               f"-idirafter{torch_include}", str(SOURCE), f"-L{et / 'lib'}", "-lexecutorch",
+               "-lexecutorch_threadpool", f"-Wl,-rpath,{et / 'lib'}", "-o", str(built)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"models.exact_sdpa: compiling {SOURCE.name} failed ({' '.join(cmd)}):\n"
+                               f"{done.stderr[-3000:]}")
+        built.replace(path)
+    return path
+
+
+_loaded: ctypes.CDLL | None = None
+
+
+def load_kernel() -> None:
+    """Register eagle3::exact_sdpa.out with this process's ExecuTorch runtime (once)."""
+    global _loaded
+    if _loaded is None:
+        _loaded = ctypes.CDLL(str(kernel_library()), mode=ctypes.RTLD_GLOBAL)
