@@ -16,7 +16,8 @@ Export notes (torch.export with a dynamic T, then ExecuTorch):
   "llama_ops" (what the .pte runs): ExecuTorch's own LLM ops. The cache is [B, max_seq_len, n_kv_heads,
   head_dim], written by `llama::update_cache` at start = input_pos[0], and `llama::custom_sdpa` attends
   causally from that start (GQA without copies of K/V, and only over the keys 0..start+T-1) or, on a
-  windowed layer, under an additive float mask [T, max_seq_len] built once per call. Its invariant:
+  windowed layer, under an additive float mask [T, max_seq_len] built once per call; an exact call
+  (`full_cache`) attends through `eagle3::exact_sdpa` (models.exact_sdpa) instead. Its invariant:
   input_pos is contiguous, arange(start, start+T) (the runner's every call). The ops have CPU kernels in
   torch too, so the eager model runs the same path (tests compare the two implementations).
   The cached path is for inference: its K/V writes are detached (no gradient flows through the cache);

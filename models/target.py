@@ -107,9 +107,9 @@ class Transformer(nn.Module):
     def hidden(self, tokens, input_pos=None, tap_layers=(), full_cache: bool = False):
         """Run embeddings and all layers. Returns (last residual [B,T,H] pre-norm, [states at tap_layers]).
 
-        `full_cache` (cached calls): every layer attends over the whole cache under a mask, so that a row's
-        arithmetic depends on its position, its inputs and the cache alone, not on where its call starts
-        (`cached_mask`); the index_copy path always does."""
+        `full_cache` (cached calls): every layer's attention gives a row arithmetic that depends on its position,
+        its inputs and the cache alone, not on where its call starts (`cached_mask`: eagle3::exact_sdpa on the
+        llama ops); the index_copy path, over the whole buffer, always does."""
         B, T = tokens.shape
         kv_impl = "index_copy"  # the stateless path's masks are the bool ones
         if input_pos is None:

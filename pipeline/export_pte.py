@@ -10,7 +10,7 @@ Vd = draft vocab). Every method returns a list, in this order:
     method          inputs                                            outputs                                       T range
     prefill         tokens[1,T], input_pos[T]                         next_id[1,1], feature[1,T,H], logits[1,V]    [min_prefill_chunk, max_prefill_chunk]
     target_verify   tokens[1,T], input_pos[T]                         ids[1,T], feature[1,T,H], logits[1,T,V]      [2, max_m]
-    target_verify_exact  as target_verify, attending over the whole cache under a mask (exact mode)        [2, max_m]
+    target_verify_exact  as target_verify, attending through eagle3::exact_sdpa (exact mode)               [2, max_m]
     target_decode   tokens[1,1], input_pos[1]                         ids[1,1], logits[1,1,V]                      1 (the K=0 baseline)
     draft_decode    tokens[1,T], feature[1,T,H], input_pos[T]         ids[1,T] (TARGET vocab), g[1,T,H], logits[1,T,Vd]   [1, max(max_prefill_chunk, max_m)]
 

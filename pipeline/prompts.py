@@ -37,6 +37,8 @@ _SLOT = "\x00REQUEST\x00"
 def cut(texts: Sequence[str], tokenizer, n: int, length: int, seed: int, prompt_format: str = "plain",
         chat_template: str | None = None) -> torch.Tensor:
     """n prompts [n, length] of `prompt_format` from the split `texts`; the same arguments give the same prompts."""
+    if prompt_format in PROMPT_FORMATS and n == 0:  # a split nothing reads (a loaded draft's train taps)
+        return torch.empty(0, length, dtype=torch.long)
     if prompt_format == "plain":
         return plain_prompts(texts, tokenizer, n, length, seed)
     if prompt_format == "chat":

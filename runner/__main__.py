@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", nargs="*", default=[], help="extra stop tokens (strings or ids)")
     p.add_argument("--exact-width", type=int, default=None, metavar="W",
-                   help="exact mode (runtime.exact_width): every target call W rows over the whole cache, so every "
-                        "K gives K=0's tokens bit for bit (an int4 .pte); W in [2, max_m], K <= W-1")
+                   help="exact mode (runtime.exact_width): every target call W rows, a row's bits independent of its "
+                        "call, so every K gives K=0's tokens bit for bit (an int4 .pte); W in [2, max_m], K <= W-1")
     p.add_argument("--rounds", action="store_true", help="print K, accepted, emitted and timings of every round")
     p.add_argument("--threads", type=int, default=None,
                    help="the runtime's CPU threads (default: the cores this process may use)")

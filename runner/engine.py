@@ -322,11 +322,11 @@ class ExactEngine(Engine):
     - the width: XNNPACK's GEMM takes other paths for other numbers of rows. After the prefill (the same
       call for every K) every target call, decode included, is one of `width` rows (`fixed_width`);
     - the key length: llama::custom_sdpa reduces over start + T keys, and the order of its sums follows
-      that length. Every call is a `target_verify_exact`, which attends over the whole cache under a mask.
+      that length. Every call is a `target_verify_exact`, whose attention (eagle3::exact_sdpa) runs each row
+      over its own keys in one order.
     A row's arithmetic then depends on its position, its tokens and the cache alone. K is at most width - 1
     (`meta["max_m"]` = width), and the padding rows' slots take width - 1 positions of the cache
-    (`meta["max_seq_len"]`). The price: K=0 decodes `width` rows over max_seq_len keys instead of one row
-    over its position's."""
+    (`meta["max_seq_len"]`). The price: K=0 decodes `width` rows instead of one."""
 
     def __init__(self, engine, width: int):
         max_m = engine.meta["max_m"]

@@ -80,6 +80,8 @@ def test_chat_prompts_have_the_length_the_template_and_a_whole_word_request(corp
     assert len({tuple(r) for r in out.tolist()}) == n
     assert prompts.cut(texts, tok, n, length, 3, "chat", CHATML).tolist() == out.tolist()
     assert prompts.cut(texts, tok, n, length, 4, "chat", CHATML).tolist() != out.tolist()
+    for fmt in prompts.PROMPT_FORMATS:  # a split nothing reads: no prompts, the split's shape
+        assert prompts.cut(texts, tok, 0, length, 3, fmt, CHATML).shape == (0, length)
 
 
 def test_code_requests_explain_each_public_definition_dedented():
