@@ -17,7 +17,7 @@ Export notes (torch.export with a dynamic T, then ExecuTorch):
   head_dim], written by `llama::update_cache` at start = input_pos[0], and `llama::custom_sdpa` attends
   causally from that start (GQA without copies of K/V, and only over the keys 0..start+T-1) or, on a
   windowed layer, under an additive float mask [T, max_seq_len] built once per call; an exact call
-  (`full_cache`) attends through `eagle3::exact_sdpa` (models.exact_sdpa) instead. Its invariant:
+  (`exact`) attends through `eagle3::exact_sdpa` (models.exact_sdpa) instead. Its invariant:
   input_pos is contiguous, arange(start, start+T) (the runner's every call). The ops have CPU kernels in
   torch too, so the eager model runs the same path (tests compare the two implementations).
   The cached path is for inference: its K/V writes are detached (no gradient flows through the cache);
@@ -356,15 +356,15 @@ class RowPositions:
 
 
 def cached_mask(kv_impl: str, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, *,
-                full_cache: bool = False):
+                exact: bool = False):
     """The mask a cached call's layers of one window take, built once per call and shared by them:
     "index_copy": bool [T, S] (attention_mask); "llama_ops": None for a causal layer (custom_sdpa's own
     causal rule from input_pos[0]), an additive float32 mask [T, S] (0 / -inf) for a windowed one, and with
-    `full_cache` RowPositions: custom_sdpa reduces over start + T keys without a mask and over all S with one,
+    `exact` RowPositions: custom_sdpa reduces over start + T keys without a mask and over all S with one,
     so only the exact op keeps a row's arithmetic independent of where its call starts at the context's cost."""
     if kv_impl == "index_copy":
         return attention_mask(q_pos, k_pos, window)
-    if full_cache:
+    if exact:
         return RowPositions(q_pos, window or 0)
     if window is None:
         return None

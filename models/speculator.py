@@ -63,9 +63,9 @@ class Speculator(nn.Module):
         return torch.argmax(logits, dim=-1), self.draft.fuse(taps), logits
 
     def target_verify_exact(self, tokens: torch.Tensor, input_pos: torch.Tensor):
-        """target_verify whose attention does not depend on the call (Transformer.hidden, `full_cache`): calls of
+        """target_verify whose attention does not depend on the call (Transformer.hidden, `exact`): calls of
         one width give a row the same bits whichever call it is in, the exact mode's target call (runner.engine)."""
-        logits, taps = self.target(tokens, input_pos, taps=True, full_cache=True)
+        logits, taps = self.target(tokens, input_pos, taps=True, exact=True)
         return torch.argmax(logits, dim=-1), self.draft.fuse(taps), logits
 
     def target_decode(self, tokens: torch.Tensor, input_pos: torch.Tensor):

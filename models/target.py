@@ -86,9 +86,9 @@ class Transformer(nn.Module):
         self.windows = sorted({cfg.window(i) for i in range(cfg.n_layers)}, key=lambda w: (w is not None, w))
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None, *, taps: bool = False,
-                last_only: bool = False, full_cache: bool = False):
+                last_only: bool = False, exact: bool = False):
         """tokens [B,T] int64 -> logits [B,T,V] (or [B,1,V] with last_only), plus taps when taps=True."""
-        h, tapped = self.hidden(tokens, input_pos, self.cfg.taps if taps else (), full_cache)
+        h, tapped = self.hidden(tokens, input_pos, self.cfg.taps if taps else (), exact)
         logits = self.head(h[:, -1:] if last_only else h)
         return (logits, tuple(tapped)) if taps else logits
 
@@ -104,10 +104,10 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def hidden(self, tokens, input_pos=None, tap_layers=(), full_cache: bool = False):
+    def hidden(self, tokens, input_pos=None, tap_layers=(), exact: bool = False):
         """Run embeddings and all layers. Returns (last residual [B,T,H] pre-norm, [states at tap_layers]).
 
-        `full_cache` (cached calls): every layer's attention gives a row arithmetic that depends on its position,
+        `exact` (cached calls): every layer's attention gives a row arithmetic that depends on its position,
         its inputs and the cache alone, not on where its call starts (`cached_mask`: eagle3::exact_sdpa on the
         llama ops); the index_copy path, over the whole buffer, always does."""
         B, T = tokens.shape
@@ -124,7 +124,7 @@ class Transformer(nn.Module):
             tables[True] = self.rope_local.tables(q_pos)
         if kv_impl == "llama_ops":  # [T, 1, rot]: broadcast over the heads of [B, T, heads, hd]
             tables = {k: (c.unsqueeze(1), s.unsqueeze(1)) for k, (c, s) in tables.items()}
-        masks = {w: cached_mask(kv_impl, q_pos, k_pos, w, full_cache=full_cache) for w in self.windows}
+        masks = {w: cached_mask(kv_impl, q_pos, k_pos, w, exact=exact) for w in self.windows}
         if kv_impl == "llama_ops":  # the layers take the start position, read once per call
             input_pos = start_position(input_pos, self.key_pos.numel())
         h = self.embed_tokens(tokens)

@@ -86,8 +86,8 @@ def test_cached_prefix_then_new_positions_equals_full_recompute(variant):
 def test_the_exports_attention_and_norms_equal_the_reference(variant):
     """kv_impl "llama_ops" (llama::update_cache / custom_sdpa over a [B, S, kv, hd] cache from the start
     position) with fc-mean norms gives the reference's logits and taps: a prefill, a rejected window
-    overwritten by every verify width T, and T=1; and so does the exact call's attention over the whole cache
-    under a mask (`full_cache`)."""
+    overwritten by every verify width T, and T=1; and so does the exact call's attention,
+    through eagle3::exact_sdpa (`exact`)."""
     from models.layers import set_fc_mean
 
     ref = tiny_target(**VARIANTS[variant])
@@ -101,8 +101,8 @@ def test_the_exports_attention_and_norms_equal_the_reference(variant):
         m(torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1)), torch.arange(10, 16))
     for T in range(1, 9):
         want, want_taps = ref(tokens[:, 10:10 + T], torch.arange(10, 10 + T), taps=True)
-        for full_cache in (False, True):
-            got, got_taps = model(tokens[:, 10:10 + T], torch.arange(10, 10 + T), taps=True, full_cache=full_cache)
+        for exact in (False, True):
+            got, got_taps = model(tokens[:, 10:10 + T], torch.arange(10, 10 + T), taps=True, exact=exact)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             for a, b in zip(got_taps, want_taps):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
