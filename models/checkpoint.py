@@ -6,11 +6,16 @@ unknown one is refused. `model.safetensors` = Transformer.state_dict() (the cach
 non-persistent buffers, so they are not in it; a tied lm_head is stored once, as embed_tokens.weight),
 optional `tokenizer.json` copied beside them.
 
-Draft (speculators, Eagle3): `config.json` with speculators_model_type "eagle3", transformer_layer_config
-(a Llama config of the single layer), draft_vocab_size, target_hidden_size, norm_before_residual,
-eagle_aux_hidden_state_layer_ids; weights `layers.0.*`, `fc.weight`, `norm.weight`, `lm_head.weight`,
+Draft (speculators, Eagle3), the layout our draft artifacts are written in: `config.json` with
+speculators_model_type "eagle3", transformer_layer_config (a Llama config of the single layer),
+draft_vocab_size, target_hidden_size, norm_before_residual, eagle_aux_hidden_state_layer_ids (embedding-first:
+our tap layers, as vLLM reads them); weights `layers.0.*`, `fc.weight`, `norm.weight`, `lm_head.weight`,
 `embed_tokens.weight`, `d2t` (int64[Vd]), `t2d` (bool[V]) in `model.safetensors` or sharded
 (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`, the HF sharding convention).
+`load_speculators` reads this layout alone; `models.draft_layouts.load_draft` reads any public EAGLE-3 head:
+speculators, SpecForge (`LlamaForCausalLMEagle3`, `midlayer.*`, layer-output aux ids in `eagle_config`) and
+vLLM/AngelSlim/EAGLE-3 (`Eagle3LlamaForCausalLM` or a one-layer `LlamaForCausalLM`, `model.`/`midlayer.`
+prefixes), safetensors only, with the aux-layer convention explicit (that module's docstring).
 
 Every load is strict: a missing, unexpected or wrongly shaped tensor is refused naming file and key.
 """
@@ -232,7 +237,10 @@ def speculators_config(cfg: DraftConfig, verifier: str | None = None, dtype: tor
     }
 
 
-def draft_config_from_speculators(d: dict, path, max_seq_len: int | None = None) -> DraftConfig:
+def draft_config_from_speculators(d: dict, path, max_seq_len: int | None = None,
+                                  tap_layers: tuple | list | None = None) -> DraftConfig:
+    """The DraftConfig of a speculators config.json. `tap_layers` (our HF index convention) replaces the file's
+    eagle_aux_hidden_state_layer_ids when given (models.draft_layouts converts another convention into it)."""
     where = Path(path) / "config.json"
     if d.get("speculators_model_type") != "eagle3":
         raise ValueError(f"{where}: speculators_model_type is {d.get('speculators_model_type')!r}, expected 'eagle3'")
@@ -241,32 +249,44 @@ def draft_config_from_speculators(d: dict, path, max_seq_len: int | None = None)
     tlc = d.get("transformer_layer_config")
     if not isinstance(tlc, dict):
         raise ValueError(f"{where}: missing transformer_layer_config")
-    if tlc.get("model_type", "llama") != "llama":
-        raise ValueError(f"{where}: transformer_layer_config.model_type {tlc.get('model_type')!r} is not "
-                         f"supported (only 'llama' draft layers)")
+    return draft_config_from_llama(
+        tlc, where, "transformer_layer_config.", max_seq_len=max_seq_len,
+        draft_vocab_size=d.get("draft_vocab_size"), target_hidden_size=d.get("target_hidden_size"),
+        tap_layers=d.get("eagle_aux_hidden_state_layer_ids") if tap_layers is None else tap_layers,
+        norm_before_residual=bool(d.get("norm_before_residual", False)))
+
+
+def draft_config_from_llama(layer: dict, where, prefix: str = "", *, max_seq_len: int | None, draft_vocab_size,
+                            target_hidden_size, tap_layers, norm_before_residual: bool) -> DraftConfig:
+    """The DraftConfig of the Llama config of a draft's one decoder layer (`layer`: speculators'
+    transformer_layer_config, or the whole flat config.json of the SpecForge and EAGLE layouts; `prefix` names
+    it in errors). Only what our layer computes is accepted: a Llama layer, SiLU, no biases."""
+    if layer.get("model_type", "llama") != "llama":
+        raise ValueError(f"{where}: {prefix}model_type {layer.get('model_type')!r} is not supported "
+                         f"(only 'llama' draft layers)")
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if tlc.get(key, ok) != ok:
-            raise ValueError(f"{where}: transformer_layer_config.{key}={tlc[key]!r} is not supported")
-    H, heads = tlc["hidden_size"], tlc["num_attention_heads"]
+        if layer.get(key, ok) != ok:
+            raise ValueError(f"{where}: {prefix}{key}={layer[key]!r} is not supported")
     try:
+        H, heads = layer["hidden_size"], layer["num_attention_heads"]
         return DraftConfig(
-            vocab_size=tlc["vocab_size"],
-            draft_vocab_size=d.get("draft_vocab_size") or tlc["vocab_size"],
+            vocab_size=layer["vocab_size"],
+            draft_vocab_size=draft_vocab_size or layer["vocab_size"],
             hidden_size=H,
-            target_hidden_size=d.get("target_hidden_size") or H,
+            target_hidden_size=target_hidden_size or H,
             n_heads=heads,
-            n_kv_heads=tlc.get("num_key_value_heads") or heads,
-            head_dim=tlc.get("head_dim") or H // heads,
-            intermediate_size=tlc["intermediate_size"],
-            rope_theta=tlc.get("rope_theta", 10000.0),
-            rope_scaling=tlc.get("rope_scaling"),
-            rms_norm_eps=tlc.get("rms_norm_eps", 1e-6),
-            max_seq_len=max_seq_len or tlc.get("max_position_embeddings", 2048),
-            tap_layers=d.get("eagle_aux_hidden_state_layer_ids"),
-            norm_before_residual=bool(d.get("norm_before_residual", False)),
+            n_kv_heads=layer.get("num_key_value_heads") or heads,
+            head_dim=layer.get("head_dim") or H // heads,
+            intermediate_size=layer["intermediate_size"],
+            rope_theta=layer.get("rope_theta", 10000.0),
+            rope_scaling=layer.get("rope_scaling"),
+            rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+            max_seq_len=max_seq_len or layer.get("max_position_embeddings", 2048),
+            tap_layers=tap_layers,
+            norm_before_residual=norm_before_residual,
         )
     except KeyError as e:
-        raise ValueError(f"{where}: missing key transformer_layer_config.{e.args[0]}") from e
+        raise ValueError(f"{where}: missing key {prefix}{e.args[0]}") from e
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
 
@@ -283,7 +303,8 @@ def save_speculators(draft: Eagle3Draft, path, *, max_shard_bytes: int | None = 
 
 def load_speculators(path, target: Transformer | TargetConfig | None = None, *, max_seq_len: int | None = None,
                      dtype: torch.dtype = torch.float32) -> Eagle3Draft:
-    """Load a speculators Eagle3 checkpoint; with a target, validate the pairing (validate_draft).
+    """Load a speculators Eagle3 checkpoint (our artifact's layout); with a target, validate the pairing
+    (validate_draft). Any public layout: models.draft_layouts.load_draft.
 
     max_seq_len: the draft cache size; default the target's max_seq_len, else the checkpoint's
     max_position_embeddings. A checkpoint without embed_tokens.weight (vLLM shares the target's) needs a
@@ -301,9 +322,20 @@ def load_speculators(path, target: Transformer | TargetConfig | None = None, *, 
     if max_seq_len is None and target_cfg is not None:
         max_seq_len = target_cfg.max_seq_len
     cfg = draft_config_from_speculators(json.loads((path / "config.json").read_text()), path, max_seq_len)
-    draft = Eagle3Draft(cfg).to(dtype)
     tensors, origin = read_safetensors_dir(path)
-    optional = ["t2d"]
+    return build_draft(cfg, tensors, origin, path, target, dtype=dtype)
+
+
+def build_draft(cfg: DraftConfig, tensors: dict, origin: dict, path, target: Transformer | TargetConfig | None = None,
+                *, dtype: torch.dtype = torch.float32, validate=None, optional=()) -> Eagle3Draft:
+    """An Eagle3Draft of `cfg` holding `tensors` (our names, as `Eagle3Draft.state_dict()`), strictly assigned,
+    its embedding and t2d completed and the pairing checked (load_speculators' docstring says how).
+    `validate(draft, target_cfg)`: the pairing check, default validate_draft; `optional`: further tensors that
+    may be absent (keeping Eagle3Draft's initial value)."""
+    path = Path(path)
+    target_cfg = target.cfg if isinstance(target, Transformer) else target
+    draft = Eagle3Draft(cfg).to(dtype)
+    optional = ["t2d", *optional]
     if isinstance(target, Transformer) and cfg.hidden_size == target.cfg.hidden_size:
         optional.append("embed_tokens.weight")
     assign_state(draft, tensors, origin, path, optional=optional)
@@ -315,7 +347,7 @@ def load_speculators(path, target: Transformer | TargetConfig | None = None, *, 
         if ids.min() >= 0 and ids.max() < cfg.vocab_size:
             draft.t2d[ids] = True
     if target_cfg is not None:
-        validate_draft(draft, target_cfg)
+        (validate or validate_draft)(draft, target_cfg)
     own_embedding = "embed_tokens.weight" in tensors and isinstance(target, Transformer)
     if own_embedding and cfg.hidden_size == target.cfg.hidden_size:
         stored, table = tensors["embed_tokens.weight"].cpu(), target.embed_tokens.weight.detach().cpu()

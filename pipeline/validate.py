@@ -260,6 +260,10 @@ def check_config(cfg: DictConfig) -> None:
     c.choice("draft.kind", ("train", "load"))
     if c.get("draft.kind") == "load":
         c.existing("draft.path", directory=True)
+        if c.get("draft.aux_layer_convention") is not None:  # absent: auto
+            from models.draft_layouts import CONVENTION_CHOICES
+
+            c.choice("draft.aux_layer_convention", CONVENTION_CHOICES)
     from pipeline import distributed
 
     world = distributed.world_size()

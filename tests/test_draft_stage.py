@@ -113,6 +113,9 @@ def test_load_validates_and_stores_a_checkpoint(env, trained):
     art, _ = trained
     loaded = run_draft(cfg, store, upstream, kind="load", path=str(art.path))
     assert loaded.report["kind"] == "load" and loaded.report["target_key"] == upstream["target"].key
+    assert loaded.report["layout"] == "speculators" and loaded.report["aux_layer_convention"] == "embedding_first"
+    assert loaded.report["aux_layers_file"] == list(target.cfg.taps)
+    assert 0 <= loaded.report["aux_agreement"] <= 1  # the held-out check of its aux layers ran
     # trained with autocast=None and evaluated the same way: same held-out numbers
     for i in range(7):
         assert loaded.report[f"held_out_acc_{i}"] == art.report[f"held_out_acc_{i}"]

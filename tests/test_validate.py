@@ -52,6 +52,8 @@ def test_the_default_and_smoke_configs_pass():
     ("target=hf", "target.path='???'"),
     ("target=hf target.path=/no/such/dir", "target.path='/no/such/dir': an existing directory"),
     ("draft=load draft.path=/no/such/draft", "draft.path='/no/such/draft': an existing directory"),
+    ("draft=load draft.path=. draft.aux_layer_convention=hf",
+     "draft.aux_layer_convention='hf': one of auto, embedding_first, layer_output"),
     ("taps.source=web", "taps.source='web': one of generate, corpus"),
     ("device=tpu", "device='tpu': one of cpu, cuda"),
     ("threads=0", "threads=0"),

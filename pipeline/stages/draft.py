@@ -16,8 +16,14 @@ from (upstream keys, and `target_key` in the report, which the export stage chec
   against the target restricted to the draft vocab, AdamW + warmup/cosine, gradient clipping; per-step
   metrics (loss, loss_i, acc_i, lr) and per-epoch held-out metrics go to MLflow; a checkpoint in the
   stage's scratch directory every `train.checkpoint_every_s` lets an interrupted run resume exactly.
-`draft=load draft.path=DIR`: a speculators checkpoint, validated against the target (hidden size, vocab,
-tap layers, d2t range and t2d agreement, the frozen embedding); a mismatch fails naming the field.
+`draft=load draft.path=DIR`: an EAGLE-3 checkpoint in the speculators, SpecForge or vLLM/EAGLE layout
+(models/draft_layouts.py), its aux-layer ids read in `draft.aux_layer_convention` (auto: the file's own),
+validated against the target (hidden size, vocab, tap layers, d2t range and t2d agreement, the frozen
+embedding); a mismatch fails naming the field. Then the check of its aux layers on CHECK_TOKENS held-out
+tokens (models.draft_layouts.check_aux_layers): the draft's first position agreeing with the target's next
+token below 5% where the layers shifted by one agree far better refuses the pairing, naming the likely
+off-by-one and the setting that fixes it. The report records the layout, the convention, the file's ids and
+the agreements (`aux_agreement`, `aux_agreement_plus1`, `aux_agreement_minus1`: the layers shifted by one).
 
 Under torchrun (pipeline.distributed) `draft=train` runs on every rank with DistributedDataParallel:
 `train.batch_size` is the global batch, each rank trains on its share of the same rows, so N ranks see the
@@ -54,6 +60,7 @@ DISTRIBUTED = True  # under torchrun every rank runs a share of it (pipeline.app
 UPSTREAM = ("target", "taps")
 CONFIG_KEYS = ("draft", "seed")
 CHECKPOINT = "train_state.pt"
+CHECK_TOKENS = 256  # held-out tokens of draft=load's aux-layer check (one target pass, three draft passes)
 
 
 def key_extra(cfg: DictConfig) -> dict:
@@ -101,7 +108,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     elif out is None:  # draft=load has nothing to share across ranks
         return {}
     elif dc.kind == "load":
-        draft, report = load(dc, target)
+        draft, report = load(dc, target, held_out["ids"])
         draft = draft.to(device)
     else:
         raise ValueError(f"draft.kind must be 'train' or 'load', got {dc.kind!r}")
@@ -188,14 +195,26 @@ def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.Trai
 
 
 # --- draft=load ----------------------------------------------------------------------------------------
-def load(dc: DictConfig, target):
-    from models import load_speculators
+def load(dc: DictConfig, target, held_out_ids: torch.Tensor | None = None):
+    """The checkpoint at draft.path in any public layout, validated against the target and, given held-out token
+    ids [B,T], checked on the first rows holding CHECK_TOKENS of them (check_aux_layers)."""
+    from models.draft_layouts import check_aux_layers, load_draft
 
     path = Path(str(dc.path))
     if not path.is_dir():
         raise FileNotFoundError(f"draft=load: draft.path={str(path)!r} is not a directory")
+    convention = str(dc.get("aux_layer_convention") or "auto")
     try:
-        draft = load_speculators(path, target, max_seq_len=target.cfg.max_seq_len)
+        draft = load_draft(path, target, max_seq_len=target.cfg.max_seq_len, aux_layer_convention=convention)
+        draft = draft.to(target.embed_tokens.weight.device)
+        report = {"source": str(path.absolute()), "params": sum(p.numel() for p in draft.parameters()),
+                  **draft.source.report()}
+        if held_out_ids is not None:
+            rows = max(1, -(-CHECK_TOKENS // held_out_ids.shape[1]))
+            ids = held_out_ids[:rows].to(target.embed_tokens.weight.device)
+            report.update(check_aux_layers(target, draft, ids))
+            log.info("draft=load: %s; first-position agreement with the target %.1f%% on %d held-out tokens",
+                     draft.source.describe(), 100 * report["aux_agreement"], ids.numel())
     except ValueError as e:
         raise ValueError(f"draft=load: {path} does not fit the target: {e}") from e
-    return draft, {"source": str(path.absolute()), "params": sum(p.numel() for p in draft.parameters())}
+    return draft, report
