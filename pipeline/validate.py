@@ -326,6 +326,8 @@ def check_config(cfg: DictConfig) -> None:
     c.int_in(f"{rt}.max_new_tokens", 1)
     c.int_in(f"{rt}.seed", 0)
     c.int_in(f"{rt}.n_prompts", 1)
+    c.int_in(f"{rt}.repeats", 1)
+    c.number_in(f"{rt}.repeat_tolerance", 0.0)
     c.int_in(f"{rt}.prompt_len", 1)
     if c.get(f"{rt}.prompts") is not None and c.existing(f"{rt}.prompts", directory=False):
         try:

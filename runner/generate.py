@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from runner.policy import POLICIES, AdaptiveChain, StaticChain
@@ -208,6 +209,27 @@ def _pos(start: int, n: int) -> torch.Tensor:
     return torch.arange(start, start + n, dtype=torch.long)
 
 
+class Inputs:
+    """The tokens [1, T] and positions [T] of a round's calls, in tensors made once per generation and
+    filled through numpy. Beside a draft step of ~50 µs, each torch op the loop runs between calls costs
+    several µs (more than in isolation: the calls evict the interpreter's caches), so the rounds build no
+    tensor of their own (bench.round measures the loop's share). An engine reads its inputs during the call
+    and keeps none (runner.engine), so one buffer serves every call."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._tok, self._pos, self._arange = np.zeros((1, n), np.int64), np.zeros(n, np.int64), np.arange(n)
+        tok, pos = torch.from_numpy(self._tok), torch.from_numpy(self._pos)
+        self.tok = [tok[:, :t] for t in range(n + 1)]
+        self.pos = [pos[:t] for t in range(n + 1)]
+
+    def __call__(self, ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(ids)
+        self._tok[0, :n] = ids
+        np.add(self._arange[:n], start, out=self._pos[:n])
+        return self.tok[n], self.pos[n]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Prefill: the prompt in chunks <= max_prefill (and <= the sliding window); a piece shorter than the exported
 # minimum goes through target_verify windows (T in [2, max_m]) instead.
@@ -269,8 +291,8 @@ class Draft:
     """Proposals of one round: target-vocab ids, and (when sampling) the draft's distribution over the
     target vocab at each proposal, q[j] [V]."""
 
-    def __init__(self, engine, sampler: Sampler):
-        self.engine, self.sampler = engine, sampler
+    def __init__(self, engine, sampler: Sampler, inputs: Inputs):
+        self.engine, self.sampler, self.inputs = engine, sampler, inputs
         meta = engine.meta
         self.max_t = max(meta["max_prefill_chunk"], meta["max_m"])
         self.d2t = meta["d2t"]
@@ -279,25 +301,31 @@ class Draft:
 
     def _propose(self, ids: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if self.sampler.greedy:
-            return int(ids.reshape(-1)[-1]), None
+            return ids.tolist()[0][-1], None
         q_draft = self.sampler.probs(logits.reshape(-1, logits.shape[-1])[-1])
         q = torch.zeros(self.vocab, dtype=q_draft.dtype).index_add_(0, self.target_ids, q_draft)
         return int(self.target_ids[self.sampler.draw(q_draft)]), q
 
     def seed(self, tokens: list[int], features: torch.Tensor, start: int):
-        """Feed (tokens[i], features[i]) at positions start+i, in chunks; returns the first proposal."""
-        for s in range(0, len(tokens), self.max_t):
-            n = min(self.max_t, len(tokens) - s)
-            ids, g, logits = self.engine.draft_decode(_t(tokens[s:s + n]), features[None, s:s + n], _pos(start + s, n))
-        self.g, self.next_pos = g[:, -1:], start + len(tokens)
+        """Feed (tokens[i], features[0, i]) at positions start+i, in chunks; returns the first proposal."""
+        n = len(tokens)
+        if n <= self.inputs.n:  # a round's reseed (a + 1 rows): one call on the reused inputs
+            tok, pos = self.inputs(tokens, start)
+            ids, g, logits = self.engine.draft_decode(tok, features, pos)
+        else:
+            for s in range(0, n, self.max_t):
+                m = min(self.max_t, n - s)
+                ids, g, logits = self.engine.draft_decode(_t(tokens[s:s + m]), features[:, s:s + m], _pos(start + s, m))
+        self.g, self.next_pos = g[:, -1:], start + n
         return self._propose(ids, logits)
 
     def chain(self, first, k: int) -> tuple[list[int], list]:
         """K proposals: the seeded one, then K-1 single steps (token = last proposal, feature = last g)."""
         props, qs = [first[0]], [first[1]]
         for _ in range(k - 1):
-            ids, self.g, logits = self.engine.draft_decode(_t(props[-1:]), self.g, _pos(self.next_pos, 1))
-            self.g, self.next_pos = self.g[:, -1:], self.next_pos + 1
+            tokens, pos = self.inputs(props[-1:], self.next_pos)
+            ids, self.g, logits = self.engine.draft_decode(tokens, self.g, pos)  # T = 1: g is [1, 1, H]
+            self.next_pos += 1
             tok, q = self._propose(ids, logits)
             props.append(tok)
             qs.append(q)
@@ -359,35 +387,24 @@ def measure_window_costs(engine, reps: int = 3) -> dict[int, float]:
 # One round
 
 
-class Clock:
-    """Milliseconds spent inside `with clock:` blocks, summed."""
-
-    def __init__(self):
-        self.ms = 0.0
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.ms += (time.perf_counter() - self.t0) * 1e3
-
-
-def target_step(engine, sampler: Sampler, anchor: int, P: int) -> list[int]:
+def target_step(engine, sampler: Sampler, inputs: Inputs, anchor: int, P: int) -> list[int]:
     """K = 0: one target forward of the anchor at P, one new token (the baseline's whole loop)."""
-    ids, logits = engine.target_decode(_t([anchor]), _pos(P, 1))
-    return [sampler.next_token(int(ids.reshape(-1)[0]), logits.reshape(-1))]
+    ids, logits = engine.target_decode(*inputs([anchor], P))
+    return [sampler.next_token(ids.tolist()[0][0], logits.reshape(-1))]
 
 
-def speculative_round(engine, draft: Draft, sampler: Sampler, first, anchor: int, P: int, k: int,
-                      verify_clock: Clock, draft_clock: Clock) -> tuple[list[int], torch.Tensor]:
+def speculative_round(engine, draft: Draft, sampler: Sampler, inputs: Inputs, first, anchor: int, P: int,
+                      k: int) -> tuple[list[int], torch.Tensor, float, float]:
     """Draft K proposals, verify [anchor] + props at P..P+K in ONE target forward, accept a leading run.
-    Returns new = props[:a] + [correction or bonus], and verify's features (to reseed the draft)."""
-    with draft_clock:
-        props, qs = draft.chain(first, k)
-    with verify_clock:
-        vids, fv, logits = engine.target_verify(_t([anchor] + props), _pos(P, k + 1))
-    new = accept_greedy(props, vids[0].tolist()) if sampler.greedy else accept_sampled(props, qs, logits[0], sampler)
-    return new, fv
+    Returns new = props[:a] + [correction or bonus], verify's features [1, K+1, H] (to reseed the draft), and
+    the ms of the draft steps and of the verify call."""
+    t0 = time.perf_counter()
+    props, qs = draft.chain(first, k)
+    t1 = time.perf_counter()
+    vids, fv, logits = engine.target_verify(*inputs([anchor] + props, P))
+    t2 = time.perf_counter()
+    new = accept_greedy(props, vids.tolist()[0]) if sampler.greedy else accept_sampled(props, qs, logits[0], sampler)
+    return new, fv, (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -429,9 +446,10 @@ def generate(
     out.emit([anchor])
     # an engine with device rounds runs a whole greedy round at a static K itself, with one synchronisation
     on_device = engine.device_rounds and sampler.greedy and policy == "static"
+    inputs = Inputs(meta["max_m"])
     if k_max > 0 and not out.done:
-        draft = Draft(engine, sampler)
-        first = draft.seed(prompt[1:] + [anchor], pre.features, 0)
+        draft = Draft(engine, sampler, inputs)
+        first = draft.seed(prompt[1:] + [anchor], pre.features[None], 0)
         chooser = (AdaptiveChain(meta["max_m"] - 1, k_max, window_costs=window_costs)
                    if policy == "adaptive" else StaticChain(k_max))
         if on_device:
@@ -440,34 +458,37 @@ def generate(
 
     t_decode = time.perf_counter()
     while not out.done:
+        t_round = time.perf_counter()
         room = meta["max_seq_len"] - 1 - P  # a verify window writes P..P+K
         if room < 0:
             out.stop_reason = "cache_full"
             break
         # no drafting past the budget or the cache: K = 0 is a plain target step
         k = 0 if k_max == 0 else min(chooser.choose(), room, out.remaining - 1)
-        verify_clock, draft_clock = Clock(), Clock()
-        if on_device:
-            with verify_clock:  # draft steps, verify and reseed in one call: all of it counts as verify
-                new = engine.speculate(k, anchor, P)
+        draft_ms = 0.0
+        if on_device:  # draft steps, verify and reseed in one call: all of it counts as verify
+            new = engine.speculate(k, anchor, P)
+            verify_ms = (time.perf_counter() - t_round) * 1e3
         elif k == 0:
-            with verify_clock:
-                new = target_step(engine, sampler, anchor, P)
+            new = target_step(engine, sampler, inputs, anchor, P)
+            verify_ms = (time.perf_counter() - t_round) * 1e3
         else:
-            new, fv = speculative_round(engine, draft, sampler, first, anchor, P, k, verify_clock, draft_clock)
+            new, fv, draft_ms, verify_ms = speculative_round(engine, draft, sampler, inputs, first, anchor, P, k)
         a = len(new) - 1
 
         n = out.emit(new)  # up to the first stop token, within the budget
         anchor, P = new[-1], P + a + 1
         if k > 0 and not out.done and not on_device:  # reseed the draft from verify's features (no rollback)
-            with draft_clock:
-                first = draft.seed(new, fv[0, : a + 1], P - a - 1)
-            chooser.update(k, a, verify_clock.ms, draft_clock.ms)
+            t_seed = time.perf_counter()
+            first = draft.seed(new, fv[:, : a + 1], P - a - 1)
+            draft_ms += (time.perf_counter() - t_seed) * 1e3
+            # the policy prices a round as the loop pays it: everything but the verify call is the draft's
+            chooser.update(k, a, verify_ms, (time.perf_counter() - t_round) * 1e3 - verify_ms)
         result.chain_per_round.append(k)
         result.accepted.append(a)
         result.emitted.append(n)
-        result.round_verify_ms.append(verify_clock.ms)
-        result.round_draft_ms.append(draft_clock.ms)
+        result.round_verify_ms.append(verify_ms)
+        result.round_draft_ms.append(draft_ms)
     result.decode_ms = (time.perf_counter() - t_decode) * 1e3
 
     result.output_ids = out.ids

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 METRIC_NAMES = {"chain", "max_m", "pte_sha256", "tokens_per_s", "baseline_tokens_per_s", "speedup", "tau",
                 "acceptance_rate", "verify_ms_per_round", "draft_ms_per_round", "prefill_ms", "rounds",
-                "emitted_tokens", "lossless", "n_prompts", "exact_width"}
+                "emitted_tokens", "lossless", "n_prompts", "exact_width", "speedup_min", "speedup_max", "passes",
+                "round_ms"}
 
 
 def fake_run(chain, chain_per_round, accepted, n_out, decode_ms):
@@ -27,7 +28,7 @@ def fake_run(chain, chain_per_round, accepted, n_out, decode_ms):
 def test_metrics_have_exactly_the_issue_names():
     base = fake_run(0, [0] * 9, [0] * 9, 10, 90.0)
     spec = fake_run(3, [3, 3, 3], [3, 1, 0], 8, 30.0)  # emits 4 + 2 + 1 after the bonus
-    m = eval_stage.metrics([(base, spec)], chain=3, max_m=8, pte_sha256="ab", lossless=True, n_positions=3)
+    m = eval_stage.metrics([[(base, spec)]], chain=3, max_m=8, pte_sha256="ab", lossless=True, n_positions=3)
     assert set(m) == METRIC_NAMES | {"acceptance_pos_0", "acceptance_pos_1", "acceptance_pos_2"}
     assert m["tau"] == pytest.approx(7 / 3) and m["acceptance_rate"] == pytest.approx(4 / 9)
     assert m["acceptance_pos_0"] == pytest.approx(2 / 3)  # rounds 1, 2 of 3 accepted position 0
@@ -44,12 +45,36 @@ def test_exact_mode_reports_the_plain_decode_beside_the_exact_baseline():
     base = fake_run(0, [0] * 9, [0] * 9, 10, 90.0)
     spec = fake_run(3, [3, 3, 3], [3, 1, 0], 8, 30.0)
     plain = fake_run(0, [0] * 9, [0] * 9, 10, 60.0)
-    m = eval_stage.metrics([(base, spec)], chain=3, max_m=8, pte_sha256="ab", lossless=True, n_positions=3,
+    m = eval_stage.metrics([[(base, spec)]], chain=3, max_m=8, pte_sha256="ab", lossless=True, n_positions=3,
                            plain=[plain], exact_width=8)
     assert set(m) == METRIC_NAMES | {"acceptance_pos_0", "acceptance_pos_1", "acceptance_pos_2",
                                      "plain_tokens_per_s", "speedup_vs_plain"}
     assert m["exact_width"] == 8 and m["plain_tokens_per_s"] == pytest.approx(9 / 0.060)
     assert m["speedup_vs_plain"] == pytest.approx(m["tokens_per_s"] / m["plain_tokens_per_s"])
+
+
+def test_the_speedup_is_the_median_of_the_passes_with_their_spread():
+    """Passes of the same tokens at other speeds (a machine that slows down and recovers): each pass's ratio,
+    the median of them, and the spread beside it; tau from the tokens, whatever the speed."""
+    speeds = [(90.0, 30.0), (180.0, 45.0), (90.0, 40.0)]  # (K=0 ms, K ms): ratios 3.0, 4.0, 2.25
+    passes = [[(fake_run(0, [0] * 9, [0] * 9, 10, b), fake_run(3, [3, 3, 3], [3, 1, 0], 8, k))] for b, k in speeds]
+    m = eval_stage.metrics(passes, chain=3, max_m=8, pte_sha256="ab", lossless=True, n_positions=3)
+    ratios = [(7 / k) / (9 / b) for b, k in speeds]
+    assert m["speedup"] == pytest.approx(sorted(ratios)[1]) and m["passes"] == 3
+    assert (m["speedup_min"], m["speedup_max"]) == (pytest.approx(min(ratios)), pytest.approx(max(ratios)))
+    assert m["tau"] == pytest.approx(7 / 3) and m["round_ms"] == pytest.approx((30 + 45 + 40) / 9)
+
+
+def test_passes_repeat_until_three_agree_or_the_limit():
+    def passes(*ratios):
+        return [[(fake_run(0, [0] * 9, [0] * 9, 10, 90.0), fake_run(3, [3], [3], 8, 7 / (r * 9 / 90) * 1e3 / 1e3))]
+                for r in ratios]
+
+    assert not eval_stage.settled(passes(2.0, 2.01), repeats=7, tolerance=0.03)  # two are not three
+    assert eval_stage.settled(passes(1.5, 2.0, 2.01, 2.02), repeats=7, tolerance=0.03)
+    assert not eval_stage.settled(passes(2.0, 2.3, 2.0), repeats=7, tolerance=0.03)
+    assert eval_stage.settled(passes(2.0, 2.3, 2.0), repeats=3, tolerance=0.03)
+    assert eval_stage.settled(passes(2.0), repeats=1, tolerance=0.0)
 
 
 def test_first_difference():

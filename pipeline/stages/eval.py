@@ -22,13 +22,21 @@ windows export.* fixes, reading the target and draft artifacts only (the export 
 Writes into the Hydra job directory:
     metrics.json        the names below, also the MLflow metrics of this job (pte_sha256 as a tag)
     generations.jsonl   one line per prompt: prompt, prompt_ids, output_ids, text, tau, lossless, ...
-Metrics: chain, max_m, pte_sha256 ("" on the CUDA engine), tokens_per_s, baseline_tokens_per_s, speedup,
-tau (tokens emitted per round, the prefill bonus excluded), acceptance_rate, acceptance_pos_<i> (i < K; 0
-where no round reached i), verify_ms_per_round, draft_ms_per_round, prefill_ms (per prompt, target prefill +
-draft seeding), rounds, emitted_tokens, lossless, n_prompts, exact_width (0: not exact). In exact mode
-(`runtime.exact`, runner.engine.ExactEngine) the baseline is the exact K=0, whose tokens every K must give,
-and the plain T=1 decode of the same program runs too: plain_tokens_per_s, speedup_vs_plain. Throughputs are decode tokens (after the prefill
-bonus) over decode time, summed over prompts. After a one-prompt warm-up of both runs, which is not counted.
+Metrics: chain, max_m, pte_sha256 ("" on the CUDA engine), tokens_per_s, baseline_tokens_per_s, speedup
+(with speedup_min, speedup_max and passes: see Timing), tau (tokens emitted per round, the prefill bonus
+excluded), acceptance_rate, acceptance_pos_<i> (i < K; 0 where no round reached i), verify_ms_per_round,
+draft_ms_per_round (the draft calls of a round), round_ms (a round's whole wall time, the Python between its
+calls included), prefill_ms (per prompt, target prefill + draft seeding), rounds, emitted_tokens, lossless,
+n_prompts, exact_width (0: not exact). In exact mode (`runtime.exact`, runner.engine.ExactEngine) the baseline
+is the exact K=0, whose tokens every K must give, and the plain T=1 decode of the same program runs too:
+plain_tokens_per_s, speedup_vs_plain. Throughputs are decode tokens (after the prefill bonus) over decode time,
+summed over prompts. After a one-prompt warm-up of both runs, which is not counted.
+
+Timing. A pass decodes every prompt at K = 0 and then at K, prompt by prompt, so a slow phase of a shared machine
+lands on both; passes repeat until the last three speedups lie within `runtime.repeat_tolerance` of their median,
+or `runtime.repeats` passes have run. tokens_per_s, baseline_tokens_per_s and speedup are medians over the
+passes (speedup: of each pass's ratio), speedup_min and speedup_max their spread; the tokens, tau and
+acceptance are the first pass's (greedy passes decode the same tokens, and each is checked).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import statistics
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -76,22 +85,47 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def metrics(runs: list[tuple[GenerationResult, GenerationResult]], *, chain: int, max_m: int, pte_sha256: str,
-            lossless: bool | None, n_positions: int, plain: list[GenerationResult] | None = None,
+def _rate(results: list[GenerationResult]) -> float:
+    """Decode tokens over decode seconds, summed over the generations."""
+    return sum(r.decode_tokens for r in results) / max(sum(r.decode_ms for r in results) / 1e3, 1e-9)
+
+
+def pass_speedups(passes: list[list[tuple[GenerationResult, GenerationResult]]]) -> list[float]:
+    """Each pass's K rate over its K = 0 rate: the two alternate prompt by prompt within a pass, so a slow
+    phase of the machine lands on both."""
+    return [_rate([s for _, s in runs]) / max(_rate([b for b, _ in runs]), 1e-9) for runs in passes]
+
+
+def settled(passes: list, repeats: int, tolerance: float) -> bool:
+    """Whether the eval has timed enough passes over its prompts: `repeats` of them, or fewer once the last
+    three speedups lie within `tolerance` (a fraction) of their median."""
+    if len(passes) >= repeats:
+        return True
+    last = pass_speedups(passes)[-3:]
+    return len(last) == 3 and max(last) - min(last) <= tolerance * statistics.median(last)
+
+
+def metrics(passes: list[list[tuple[GenerationResult, GenerationResult]]], *, chain: int, max_m: int,
+            pte_sha256: str, lossless: bool | None, n_positions: int, plain: list[GenerationResult] | None = None,
             exact_width: int = 0) -> dict:
-    base = [b for b, _ in runs]
+    """The names of the module docstring. Token counts, tau and acceptance come from the first pass (every
+    pass decodes the same tokens at temperature 0); the throughputs and the speedup are the medians over the
+    passes, with the spread of the speedup beside it."""
+    runs = passes[0]
     spec = [s for _, s in runs]
-    rate = lambda rs: sum(r.decode_tokens for r in rs) / max(sum(r.decode_ms for r in rs) / 1e3, 1e-9)  # noqa: E731
     rounds = sum(r.rounds for r in spec)
     drafted = sum(r.drafted for r in spec)
-    tokens_per_s, baseline_tokens_per_s = rate(spec), rate(base)
+    speedups = pass_speedups(passes)
     out = {
         "chain": chain,
         "max_m": max_m,
         "pte_sha256": pte_sha256,
-        "tokens_per_s": tokens_per_s,
-        "baseline_tokens_per_s": baseline_tokens_per_s,
-        "speedup": tokens_per_s / baseline_tokens_per_s if baseline_tokens_per_s else 0.0,
+        "tokens_per_s": statistics.median(_rate([s for _, s in p]) for p in passes),
+        "baseline_tokens_per_s": statistics.median(_rate([b for b, _ in p]) for p in passes),
+        "speedup": statistics.median(speedups),
+        "speedup_min": min(speedups),
+        "speedup_max": max(speedups),
+        "passes": len(passes),
         "tau": sum(sum(r.emitted) for r in spec) / rounds if rounds else 0.0,
         "acceptance_rate": sum(sum(r.accepted) for r in spec) / drafted if drafted else 0.0,
     }
@@ -99,10 +133,13 @@ def metrics(runs: list[tuple[GenerationResult, GenerationResult]], *, chain: int
     for i in range(n_positions):
         acc, reach = sum(c[0][i] for c in counts), sum(c[1][i] for c in counts)
         out[f"acceptance_pos_{i}"] = acc / reach if reach else 0.0
+    every = [s for p in passes for _, s in p]
+    every_rounds = sum(r.rounds for r in every)
     out.update({
-        "verify_ms_per_round": sum(r.verify_ms for r in spec) / rounds if rounds else 0.0,
-        "draft_ms_per_round": sum(r.draft_ms for r in spec) / rounds if rounds else 0.0,
-        "prefill_ms": sum(r.prefill_ms for r in spec) / len(spec),
+        "verify_ms_per_round": sum(r.verify_ms for r in every) / every_rounds if every_rounds else 0.0,
+        "draft_ms_per_round": sum(r.draft_ms for r in every) / every_rounds if every_rounds else 0.0,
+        "round_ms": sum(r.decode_ms for r in every) / every_rounds if every_rounds else 0.0,
+        "prefill_ms": sum(r.prefill_ms for r in every) / len(every),
         "rounds": rounds,
         "emitted_tokens": sum(len(r.output_ids) for r in spec),
         "lossless": lossless,
@@ -110,9 +147,24 @@ def metrics(runs: list[tuple[GenerationResult, GenerationResult]], *, chain: int
         "exact_width": exact_width,
     })
     if plain:
-        out["plain_tokens_per_s"] = rate(plain)
-        out["speedup_vs_plain"] = tokens_per_s / out["plain_tokens_per_s"] if out["plain_tokens_per_s"] else 0.0
+        out["plain_tokens_per_s"] = _rate(plain)
+        out["speedup_vs_plain"] = out["tokens_per_s"] / out["plain_tokens_per_s"] if out["plain_tokens_per_s"] else 0.0
     return out
+
+
+def generation_record(text: str, ids: list[int], base: GenerationResult, spec: GenerationResult, diff: int | None,
+                      greedy: bool, tokenizer, policy: str) -> dict:
+    """One line of generations.jsonl."""
+    record = {"prompt": text, "prompt_ids": ids, "output_ids": spec.output_ids,
+              "text": tokenizer.decode(spec.output_ids), "tau": spec.tau,
+              "lossless": (diff is None) if greedy else None, "stop_reason": spec.stop_reason,
+              "tokens_per_s": spec.tokens_per_s, "baseline_tokens_per_s": base.tokens_per_s}
+    if policy == "adaptive":
+        record["chain_per_round"] = spec.chain_per_round
+    if diff is not None:
+        record["baseline_output_ids"] = base.output_ids
+        record["first_difference"] = diff
+    return record
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -172,44 +224,46 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     if chain:
         generate(engine, prompts[0], chain=chain, policy=policy, **{**kwargs, "max_new_tokens": 8})
 
-    runs, plain, all_equal = [], [], True
-    with open(out / "generations.jsonl", "w") as gens:
-        for i, (text, ids) in enumerate(tqdm(list(zip(texts, prompts)), desc=f"eval K={chain}", unit="prompt")):
-            base = generate(engine, ids, chain=0, **kwargs)
-            spec = generate(engine, ids, chain=chain, policy=policy, **kwargs) if chain else base
-            if plain_engine is not None:
-                plain.append(generate(plain_engine, ids, chain=0, **kwargs))
-            diff = first_difference(base.output_ids, spec.output_ids) if greedy else None
-            all_equal &= diff is None
-            runs.append((base, spec))
-            record = {"prompt": text, "prompt_ids": ids, "output_ids": spec.output_ids,
-                      "text": tokenizer.decode(spec.output_ids), "tau": spec.tau,
-                      "lossless": (diff is None) if greedy else None, "stop_reason": spec.stop_reason,
-                      "tokens_per_s": spec.tokens_per_s, "baseline_tokens_per_s": base.tokens_per_s}
-            if policy == "adaptive":
-                record["chain_per_round"] = spec.chain_per_round
-                log.info("prompt %d: adaptive K per round %s", i, spec.chain_per_round)
-            if diff is not None:
-                record["baseline_output_ids"] = base.output_ids
-                record["first_difference"] = diff
-            gens.write(json.dumps(record) + "\n")
-            gens.flush()
-            if diff is not None:
-                msg = (f"lossless check failed on prompt {i}: the K={chain} output differs from the greedy "
-                       f"baseline first at generated token {diff} (baseline "
-                       f"{base.output_ids[diff] if diff < len(base.output_ids) else 'ended'}, speculative "
-                       f"{spec.output_ids[diff] if diff < len(spec.output_ids) else 'ended'})")
-                if not rt.allow_mismatch:
-                    raise RuntimeError(msg + "; set runtime.allow_mismatch=true to record it instead")
-                log.warning("%s (recorded: runtime.allow_mismatch=true)", msg)
+    passes, plain, all_equal = [], [], True
+    with open(out / "generations.jsonl", "w") as gens, tqdm(desc=f"eval K={chain}", unit="prompt") as bar:
+        while not passes or not settled(passes, int(rt.repeats), float(rt.repeat_tolerance)):
+            runs, first_pass = [], not passes
+            bar.reset(total=len(prompts))
+            bar.set_postfix_str(f"pass {len(passes) + 1}")
+            for i, (text, ids) in enumerate(zip(texts, prompts)):
+                base = generate(engine, ids, chain=0, **kwargs)
+                spec = generate(engine, ids, chain=chain, policy=policy, **kwargs) if chain else base
+                if plain_engine is not None and first_pass:
+                    plain.append(generate(plain_engine, ids, chain=0, **kwargs))
+                runs.append((base, spec))
+                bar.update()
+                diff = first_difference(base.output_ids, spec.output_ids) if greedy else None
+                all_equal &= diff is None
+                if first_pass:
+                    gens.write(json.dumps(generation_record(text, ids, base, spec, diff, greedy, tokenizer, policy))
+                               + "\n")
+                    gens.flush()
+                    if policy == "adaptive":
+                        log.info("prompt %d: adaptive K per round %s", i, spec.chain_per_round)
+                if diff is not None:
+                    msg = (f"lossless check failed on prompt {i}: the K={chain} output differs from the greedy "
+                           f"baseline first at generated token {diff} (baseline "
+                           f"{base.output_ids[diff] if diff < len(base.output_ids) else 'ended'}, speculative "
+                           f"{spec.output_ids[diff] if diff < len(spec.output_ids) else 'ended'})")
+                    if not rt.allow_mismatch:
+                        raise RuntimeError(msg + "; set runtime.allow_mismatch=true to record it instead")
+                    if first_pass:
+                        log.warning("%s (recorded: runtime.allow_mismatch=true)", msg)
+            passes.append(runs)
 
     n_positions = chain if policy == "static" else meta["max_m"] - 1
-    result = metrics(runs, chain=chain, max_m=meta["max_m"], pte_sha256=pte_sha256,
+    result = metrics(passes, chain=chain, max_m=meta["max_m"], pte_sha256=pte_sha256,
                      lossless=all_equal if greedy else None, n_positions=n_positions, plain=plain,
                      exact_width=meta.get("exact_width", 0))
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
-    log.info("eval K=%d: %.1f tokens/s (baseline %.1f, speedup %.2fx), tau %.2f, acceptance %.2f, lossless %s",
-             chain, result["tokens_per_s"], result["baseline_tokens_per_s"], result["speedup"], result["tau"],
+    log.info("eval K=%d: %.1f tokens/s (baseline %.1f, speedup %.2fx; %d passes: %.2f-%.2fx), tau %.2f, "
+             "acceptance %.2f, lossless %s", chain, result["tokens_per_s"], result["baseline_tokens_per_s"],
+             result["speedup"], result["passes"], result["speedup_min"], result["speedup_max"], result["tau"],
              result["acceptance_rate"], result["lossless"])
     if plain:
         log.info("eval: exact mode at %d rows; the plain T=1 decode of the same program: %.1f tokens/s "
