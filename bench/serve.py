@@ -4,6 +4,7 @@
     python -m bench.serve --pte model.pte --tokenizer tokenizer.json --threads 1
     python -m bench.serve --load                            # 16 clients, 500 requests, then a SIGTERM mid-load
     python -m bench.serve --load --clients 4 --requests 40 --queue-size 1 --out /tmp/load.json   # the test's size
+    python -m bench.serve --load --clients 8 --queue-size 16 --big-senders 4 --churners 4   # under abuse
 
 Both modes start `python -m runner.serve` as a subprocess on 127.0.0.1 (a free port) over the .pte, with the
 same torch/ExecuTorch threads as this process's in-process engine (`--threads`), and send completions with the
@@ -32,6 +33,12 @@ the server's RSS flat (its growth from the end of the first tenth of the request
 burst with a SIGTERM once a quarter of it is answered: each request of the burst either completes with its
 reference text or is refused before any response (connection refused or closed); none is cut mid-stream, and
 the server exits 0. Exit status 1 when a check fails.
+
+Abuse (`--big-senders N`, `--churners M`, with `--load`): the main burst runs twice, quiet and then beside N
+clients that send `--big-prompt-bytes` (1 MB) prompts one after another (each answered 400: it cannot fit the
+cache) and M clients that send a completion, wait until it is queued and disconnect, over and over. Checks: the
+median end-to-end latency of the burst's requests under abuse within 1.5x of the quiet run's, and, where the
+burst's clients and the churners together fit the queue (clients + churners <= queue_size + 1), no 429.
 
 Writes bench/results/cpu-serve.json (throughput) or cpu-serve-load.json (load), or `--out`, and prints a table.
 """
@@ -128,6 +135,13 @@ class Server:
         import psutil
 
         return psutil.Process(self.proc.pid).memory_info().rss
+
+    def cpu_s(self) -> float:
+        """The CPU seconds the server has used (user + system)."""
+        import psutil
+
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -360,27 +374,111 @@ def drive(server: Server, requests: list[dict], prompts, refs: dict, clients: in
     counts = {"429": 0}
     lock = threading.Lock()
 
-    def one(client, i: int) -> str:
+    def one(client, i: int) -> tuple[str, float | None]:
+        """(how it ended, the seconds its answered attempt took from sending to the last byte)."""
         q = requests[i]
         while True:
             try:
                 r = complete(client, server.model, prompts[q["prompt"]], q["chain"], q["max_tokens"],
                              stream=q["stream"], policy=q["policy"])
-                return "ok" if r["text"] == refs[(q["prompt"], q["max_tokens"])] else "mismatch"
+                return ("ok" if r["text"] == refs[(q["prompt"], q["max_tokens"])] else "mismatch"), r["e2e_s"]
             except openai.RateLimitError as e:
                 with lock:
                     counts["429"] += 1
                 time.sleep(float(e.response.headers.get("retry-after", 1)))
             except openai.APIStatusError as e:
-                return f"http {e.status_code}"
+                return f"http {e.status_code}", None
             except openai.APIConnectionError:  # no response: refused, or closed before one
-                return "refused"
+                return "refused", None
             except Exception as e:  # the response began, then stopped short (the transport's own error)
-                return f"truncated ({type(e).__name__})"
+                return f"truncated ({type(e).__name__})", None
 
-    status, wall = fan_out(server, len(requests), clients, one, on_answer)
+    ended, wall = fan_out(server, len(requests), clients, one, on_answer)
+    status = [s for s, _ in ended]
     tally = {s: status.count(s) for s in set(status)}
-    return {"requests": len(requests), "seconds": wall, "status": tally, "429s": counts["429"]}
+    e2e = [t for _, t in ended if t is not None]
+    return {"requests": len(requests), "seconds": wall, "status": tally, "429s": counts["429"],
+            "e2e_ms": {q: 1e3 * v for q, v in pct(e2e).items()}}
+
+
+def abusers(server: Server, big_senders: int, churners: int, big_bytes: int, max_tokens: int, seed: int):
+    """Start the abusers in a process of their own (so their threads do not take this process's GIL from the
+    clients being measured): `big_senders` threads that post completions with a prompt of `big_bytes` bytes
+    (text of this interpreter's standard library) one after another, and `churners` threads that post a
+    completion of `max_tokens`, wait until the server has queued it (20-100 ms) and disconnect, over and over.
+    -> stop(), which ends them and returns their tallies."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    done, out = ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=abuse, args=(server.url, server.model, big_senders, churners, big_bytes, max_tokens,
+                                            seed, done, out), daemon=True)
+    proc.start()
+
+    def stop() -> dict:
+        done.set()
+        tallies = out.get(timeout=300)
+        proc.join(60)
+        return tallies
+
+    return stop
+
+
+def abuse(url: str, model: str, big_senders: int, churners: int, big_bytes: int, max_tokens: int, seed: int,
+          done, out) -> None:
+    """The abusers' process (`abusers`): runs them until `done` is set, then puts their tallies on `out`."""
+    import http.client
+    import socket
+
+    host, port = url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+    text = ""
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text += f.read_text(encoding="utf-8", errors="replace")
+        if len(text.encode()) >= big_bytes:
+            break
+    big = json.dumps({"model": model, "prompt": text.encode()[:big_bytes].decode(errors="ignore"),
+                      "max_tokens": 16}).encode()
+    tallies = {"big": {}, "churned": 0, "churn_answered": 0}
+    lock = threading.Lock()
+
+    def send_big():
+        while not done.is_set():
+            conn = http.client.HTTPConnection(host, int(port), timeout=120)
+            try:
+                conn.request("POST", "/v1/completions", body=big, headers={"Content-Type": "application/json"})
+                status = str(conn.getresponse().status)
+            except OSError as e:
+                status = type(e).__name__
+            finally:
+                conn.close()
+            with lock:
+                tallies["big"][status] = tallies["big"].get(status, 0) + 1
+
+    def churn(rng: random.Random):
+        body = json.dumps({"model": model, "prompt": "def main():", "max_tokens": max_tokens}).encode()
+        request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        while not done.is_set():
+            with socket.create_connection((host, int(port)), timeout=30) as sock:
+                sock.sendall(request)
+                sock.settimeout(rng.uniform(0.02, 0.1))
+                try:  # an answer within the wait (a 429, a 400, or a request that ran at once) is counted apart
+                    answered = bool(sock.recv(1))
+                except OSError:
+                    answered = False
+            with lock:
+                tallies["churned" if not answered else "churn_answered"] += 1
+
+    rng = random.Random(seed)
+    threads = [threading.Thread(target=send_big, daemon=True) for _ in range(big_senders)]
+    threads += [threading.Thread(target=churn, args=(random.Random(rng.random()),), daemon=True)
+                for _ in range(churners)]
+    for t in threads:
+        t.start()
+    done.wait()
+    for t in threads:
+        t.join(180)
+    out.put(tallies)
 
 
 def load(args, engine, tokenizer, pte: Path, tok_path: Path) -> dict:
@@ -417,9 +515,22 @@ def load(args, engine, tokenizer, pte: Path, tok_path: Path) -> dict:
             if n == warm and "warm" not in rss:
                 rss["warm"] = server.rss()
 
+        cpu = server.cpu_s()
         main = drive(server, main_burst, prompts, refs, args.clients, on_answer=answered)
+        main["server_cpu_per_s"] = (server.cpu_s() - cpu) / main["seconds"]
         sampling.set()
         rss.update(end=server.rss(), max=max(samples, default=rss["start"]))
+        abused = None
+        if args.big_senders or args.churners:
+            stop = abusers(server, args.big_senders, args.churners, args.big_prompt_bytes, max_tokens, args.seed)
+            cpu = server.cpu_s()
+            try:
+                abused = drive(server, main_burst, prompts, refs, args.clients)
+            finally:
+                tallies = stop()
+            abused.update(abusers=tallies, server_cpu_per_s=(server.cpu_s() - cpu) / abused["seconds"],
+                          big_per_s=sum(tallies["big"].values()) / abused["seconds"],
+                          churns_per_s=(tallies["churned"] + tallies["churn_answered"]) / abused["seconds"])
 
         term: dict = {}
 
@@ -442,16 +553,30 @@ def load(args, engine, tokenizer, pte: Path, tok_path: Path) -> dict:
         "rss_flat": growth <= max(16 << 20, 0.05 * rss.get("warm", rss["start"])),
         "sigterm_clean": set(term["status"]) <= {"ok", "refused"} and term["exit_code"] == 0,
     }
+    if abused is not None:
+        checks["abused_none_lost"] = abused["status"].get("ok", 0) == args.requests
+        checks["abused_p50_within_1.5x"] = abused["e2e_ms"]["p50"] <= 1.5 * main["e2e_ms"]["p50"]
+        if args.clients + args.churners <= args.queue_size + 1:  # every live request fits the queue
+            checks["abused_no_429"] = abused["429s"] == 0
     return {"clients": args.clients, "requests": args.requests, "queue_size": args.queue_size, "main": main,
-            "sigterm": term, "rss_bytes": rss, "rss_growth_bytes": growth, "checks": checks,
-            "server_log": "".join(server.lines[-20:])}
+            "abused": abused, "big_senders": args.big_senders, "churners": args.churners,
+            "big_prompt_bytes": args.big_prompt_bytes, "sigterm": term, "rss_bytes": rss, "rss_growth_bytes": growth,
+            "checks": checks, "server_log": "".join(server.lines[-20:])}
 
 
 def print_load(res: dict) -> None:
     m, t, r = res["main"], res["sigterm"], res["rss_bytes"]
     mb = lambda b: f"{b / 2**20:.1f} MB"  # noqa: E731
     print(f"\nload: {res['clients']} clients, {res['requests']} requests, queue_size {res['queue_size']}: "
-          f"{m['seconds']:.1f} s, {m['status']}, 429s {m['429s']}")
+          f"{m['seconds']:.1f} s, {m['status']}, 429s {m['429s']}, e2e ms p50 {m['e2e_ms']['p50']:.1f} "
+          f"p95 {m['e2e_ms']['p95']:.1f}, server CPU {m['server_cpu_per_s']:.2f} cores")
+    if (a := res.get("abused")) is not None:
+        print(f"the same beside {res['big_senders']} senders of {res['big_prompt_bytes']}-byte prompts and "
+              f"{res['churners']} churning clients: {a['seconds']:.1f} s, {a['status']}, 429s {a['429s']}, e2e ms p50 "
+              f"{a['e2e_ms']['p50']:.1f} p95 {a['e2e_ms']['p95']:.1f} ({a['e2e_ms']['p50'] / m['e2e_ms']['p50']:.2f}x "
+              f"the quiet p50), server CPU {a['server_cpu_per_s']:.2f} cores; long prompts {a['big_per_s']:.0f}/s "
+              f"({a['abusers']['big']}), churns {a['churns_per_s']:.0f}/s ({a['abusers']['churned']} left queued, "
+              f"{a['abusers']['churn_answered']} answered first)")
     print(f"server RSS: start {mb(r['start'])}, after the first tenth {mb(r.get('warm', r['start']))}, max "
           f"{mb(r['max'])}, end {mb(r['end'])} (growth {mb(res['rss_growth_bytes'])})")
     print(f"SIGTERM after {t.get('sent_at')} of {t['requests']} answered: {t['status']}, 429s {t['429s']}, "
@@ -478,6 +603,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="throughput: passes over the 1-client requests")
     ap.add_argument("--prompt-len", type=int, default=64, help="throughput: its length; --load: the longest")
     ap.add_argument("--max-tokens", type=int, default=128, help="throughput: per request; --load: the largest")
+    ap.add_argument("--big-senders", type=int, default=0,
+                    help="--load: clients sending --big-prompt-bytes prompts beside a second run of the burst")
+    ap.add_argument("--churners", type=int, default=0,
+                    help="--load: clients that disconnect while queued, beside a second run of the burst")
+    ap.add_argument("--big-prompt-bytes", type=int, default=1_000_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)

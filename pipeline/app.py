@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -354,8 +355,51 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")  # so a killed job's MLflow runs end KILLED, not RUNNING
 
 
+def outputs_of(argv: list[str]) -> Path | None:
+    """paths.outputs as a command line sets it (an override, else $PIPELINE_OUTPUTS, else `outputs`, as
+    conf/config.yaml reads them); None where Hydra makes no job directory (--help, --cfg) or the value is not a
+    plain path (an interpolation, a sweep, another primary config)."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        args, _ = get_args_parser().parse_known_args(argv)
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+    except Exception:  # Hydra reports a malformed command line itself
+        return None
+    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_name:
+        return None
+    given = [o for o in overrides if o.key_or_group == "paths.outputs"]
+    if not given:
+        return Path(os.environ.get("PIPELINE_OUTPUTS", "outputs"))
+    value = given[-1].value()
+    return Path(value) if isinstance(value, str) and "${" not in value else None
+
+
+def check_outputs(outputs: Path | None) -> None:
+    """Make paths.outputs and write a file in it, or exit (EXIT_BAD_CONFIG) with one line naming it and the
+    system's reason (a file, under a file, read-only): Hydra's first mkdir under it would end the job with a
+    traceback before anything of ours runs."""
+    if outputs is None:
+        return
+    try:
+        outputs.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=outputs).close()
+    except OSError as e:
+        why = "not a directory" if isinstance(e, FileExistsError) else e.strerror
+        print(f"error: paths.outputs={outputs} cannot hold the job's files ({why}: {e.filename}): set "
+              "paths.outputs=DIR or $PIPELINE_OUTPUTS", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
+
+
+def main() -> None:
+    """`python -m pipeline [overrides]`: paths.outputs checked (`check_outputs`), then the Hydra app."""
+    check_outputs(outputs_of(sys.argv[1:]))
+    hydra_main()
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
     hc = HydraConfig.get()

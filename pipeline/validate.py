@@ -347,6 +347,10 @@ def check_config(cfg: DictConfig) -> None:
         c.int_in("serve.max_body_bytes", 1)
         c.number_in("serve.drain_s", 0.0)
         c.number_in("serve.stream_interval_s", 0.0)
+        c.number_in("serve.body_timeout_s", 0.0, lo_open=True)
+        c.number_in("serve.idle_timeout_s", 0.0, lo_open=True)
+        c.int_in("serve.max_url_bytes", 1)
+        c.int_in("serve.max_header_bytes", 1)
         if c.get("serve.model_name") is not None and not isinstance(c.get("serve.model_name"), str):
             c.fail("serve.model_name", c.get("serve.model_name"), "a string or null")
 

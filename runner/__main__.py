@@ -5,7 +5,8 @@
     python -m runner --pte int4.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4 --exact-width 8
 
 A .pte with the export artifact's manifest.json beside it is checked against the sha256 recorded there
-and refused (exit 2) when it differs; one without a manifest runs with a warning that it is unchecked.
+and refused (exit 2) when it differs; one without a manifest runs with a warning that it is unchecked. Every
+refusal (a missing or truncated file, a value out of range) is one line and exit 2 (runner.cli).
 Prints each generation, then tau, decode tokens/s and the per-round timings. `--chain` defaults to the
 .pte's own get_chain_len; 0 is plain greedy decoding through the same file. (The pipeline's eval stage
 does the same from Hydra config, with the lossless check and MLflow.)
@@ -13,13 +14,11 @@ does the same from Hydra config, with the lossless check and MLflow.)
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
 from pathlib import Path
 
 from models.text import read_prompt_file, stop_ids
-from runner.engine import ExactEngine, PteEngine, set_threads
+from runner import cli
+from runner.engine import ExactEngine, set_threads
 from runner.generate import generate
 from runner.policy import POLICIES
 
@@ -43,35 +42,33 @@ def round_table(res) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runner", description=__doc__.split("\n")[0])
+    p = cli.Parser(prog="python -m runner", description=__doc__.split("\n")[0])
     p.add_argument("--pte", required=True, type=Path)
     p.add_argument("--tokenizer", required=True, type=Path, help="tokenizer.json (the target stage's)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file", type=Path, help="one prompt per line, or .jsonl with a 'prompt' field")
-    p.add_argument("--chain", type=int, default=None, help="K in [1, max_m-1]; 0 = greedy baseline; "
+    p.add_argument("--chain", type=cli.integer(0), default=None, help="K in [1, max_m-1]; 0 = greedy baseline; "
                    "default: the .pte's get_chain_len")
     p.add_argument("--policy", choices=POLICIES, default="static")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=cli.integer(1), default=128)
+    p.add_argument("--temperature", type=cli.number(0.0), default=0.0)
+    p.add_argument("--seed", type=cli.integer(0), default=0)
     p.add_argument("--stop", nargs="*", default=[], help="extra stop tokens (strings or ids)")
-    p.add_argument("--exact-width", type=int, default=None, metavar="W",
+    p.add_argument("--exact-width", type=cli.integer(2), default=None, metavar="W",
                    help="exact mode (runtime.exact_width): every target call W rows, a row's bits independent of its "
                         "call, so every K gives K=0's tokens bit for bit (an int4 .pte); W in [2, max_m], K <= W-1")
     p.add_argument("--rounds", action="store_true", help="print K, accepted, emitted and timings of every round")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=cli.integer(1), default=None,
                    help="the runtime's CPU threads (default: the cores this process may use)")
     args = p.parse_args(argv)
 
-    from tokenizers import Tokenizer
-
     set_threads(args.threads)
     # first: a file that is no program, differs from its manifest or does not fit the tokenizer is refused
-    engine = PteEngine(args.pte, tokenizer=args.tokenizer)
+    engine = cli.load_pte(args.pte, args.tokenizer)
     if args.exact_width is not None:
         engine = ExactEngine(engine, args.exact_width)
-    tokenizer = Tokenizer.from_file(str(args.tokenizer))
+    tokenizer = cli.load_tokenizer(args.tokenizer)
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     stops = stop_ids(tokenizer, args.stop)
     for text in prompts:
@@ -88,9 +85,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")  # e.g. an unchecked .pte
-    try:
-        sys.exit(main())
-    except ValueError as e:  # refusals (K out of range, prompt too long) read as one line
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main)  # a refusal (K out of range, a prompt too long, a missing file) reads as one line

@@ -12,27 +12,39 @@ GET /health. Streaming (`"stream": true`) sends server-sent events in OpenAI's c
 `data: [DONE]`; `stream_options.include_usage` adds the usage chunk. A stream sends the first token at once,
 then the text of the rounds since its last chunk at most every `stream_interval_s` (50 ms): each chunk wakes
 the event loop, whose work competes with the rounds for the GIL (on the embedded default's 1 ms rounds, streams
-decoded 5-9% slower than whole answers at 20 ms, 0-4% at 50 ms). Request fields: max_tokens (default: the
-room left in the cache), stop (up to 4 strings; the text ends before the first one), temperature (default the
-server's, 0 = greedy: unlike OpenAI's 1, so that a plain request is lossless), seed; and two extensions:
-`chain` (K in [0, max_m-1]; default the artifact's get_chain_len or the server's --chain) and `policy`
-(static | adaptive; default the server's). `usage` carries, besides OpenAI's token counts, `chain` (the K
-asked for), `policy`, `rounds`, `tau` (tokens per round), `acceptance_rate` and `tokens_per_s` (the decode rate
-after the first token, as the eval stage measures it).
+decoded 5-9% slower than whole answers at 20 ms, 0-4% at 50 ms). Request fields (runner.requests): max_tokens
+(default: the room left in the cache), stop (up to 4 strings; the text ends before the first one), temperature
+(default the server's, 0 = greedy: unlike OpenAI's 1, so that a plain request is lossless), seed; and three
+extensions: `chain` (K in [0, max_m-1]; default the artifact's get_chain_len or the server's --chain), `policy`
+(static | adaptive; default the server's) and, for a completion, `parse_special` (true: the special-token
+strings of its prompt are control tokens; by default they are text, as in a chat's messages). `usage` carries,
+besides OpenAI's token counts, `chain` (the K asked for), `policy`, `rounds`, `tau` (tokens per round),
+`acceptance_rate` and `tokens_per_s` (the decode rate after the first token, as the eval stage measures it).
 
 The text of a request is the same at every K at temperature 0: the tokens are (runner.generate), and the text
 is decoded one token at a time (`TextStream`), however the rounds group the tokens.
 
-One request decodes at a time (the engine's KV caches are shared), on one worker thread, behind a queue of
-`queue_size` waiting requests: one more is answered 429 with Retry-After. A request whose prompt and max_tokens
-cannot fit the cache is refused with 400 before it queues. A client that disconnects frees the engine after the
-round in flight (runner.generate's `on_tokens` returns False); one that leaves while queued is skipped. A
-malformed body, a field of the wrong type or range, an unknown model or an oversized body gets a 4xx whose
-message names the field; an engine error fails that request with 500, never the server. SIGTERM or SIGINT
-stops accepting connections and lets the requests in flight finish (up to `drain_s`), then exits 0.
+No client holds up another. One request decodes at a time (the engine's KV caches are shared), on one worker
+thread, behind a queue of `queue_size` live requests: one more is answered 429 with Retry-After. The event
+loop only moves bytes: a body is parsed, a chat template rendered and a prompt tokenized on worker threads
+(runner.requests), and a text prompt that cannot fit the cache is refused by its byte length before it is
+tokenized. A client that disconnects takes its request out of the queue at once, or frees the engine after
+the round in flight (runner.generate's `on_tokens` returns False). A connection must send a whole request head
+within `idle_timeout_s` of opening or of its last answer (idle and slowloris sockets are closed), and its body
+within `body_timeout_s` (408); a request line longer than `max_url_bytes` gets 414, a head longer than
+`max_header_bytes` 431 (`HttpProtocol`).
 
-Binds 127.0.0.1 unless told otherwise. With an API key (--api-key, or the EAGLE3_API_KEY environment
-variable) every /v1 request needs `Authorization: Bearer <key>`; /metrics and /health stay open, as vLLM's.
+Every error is the client's or says it is ours: a malformed body (JSON, UTF-8, nesting, lone surrogates), a
+field of the wrong type or range, an unknown model or an oversized body gets a 4xx whose message names the
+field and quotes at most a few hundred characters of the value; only a fault of the server is a 500, in the
+same JSON shape (an engine error fails that request, never the server), and a stream cut by one ends with an
+SSE error event. SIGTERM or SIGINT stops accepting connections and lets the requests in flight finish, up to
+`drain_s`; then those left are answered 503 (a stream: an error event) and the process exits 0. The chat
+template and the defaults of a request are checked at start-up.
+
+Binds 127.0.0.1 unless told otherwise, before the program loads (a port in use is refused at once). With an
+API key (--api-key, or the EAGLE3_API_KEY environment variable) every /v1 request needs `Authorization: Bearer
+<key>`; /metrics and /health stay open, as vLLM's.
 
 /metrics uses vLLM's names where the meaning is the same: vllm:num_requests_running / _waiting,
 vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds (per round: a round emits its tokens at
@@ -40,16 +52,17 @@ once), vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds, vllm:p
 vllm:generation_tokens, vllm:request_success{finished_reason}, vllm:spec_decode_num_drafts (rounds with
 K > 0), vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens and
 vllm:spec_decode_num_accepted_tokens_per_pos{position}; and eagle3:requests_refused{reason} (queue_full is the
-429s), which vLLM has no name for.
+429s, invalid the other 4xx, shutdown the 503s of the drain, error the 500s), which vLLM has no name for.
 
 Not here: batching several requests into one forward (the .pte has one KV cache), n > 1, logprobs, tools.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import collections
 import contextlib
+import functools
 import gc
 import hmac
 import json
@@ -66,36 +79,44 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import h11
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from models.text import render_chat, stop_ids
+from models.text import stop_ids
+from runner import cli
 from runner.cuda_engine import QUANTS
 from runner.generate import GenerationResult, generate
 from runner.policy import POLICIES
+from runner.requests import (MAX_SEED, MAX_TEMPERATURE, GenerationRequest, Limits, RequestError, check_chat_template,
+                             check_fits, check_ids, check_text_fits, encoder, parse_body, parse_request, prompt_ids,
+                             quote, utf8_len)
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "EAGLE3_API_KEY"
-MAX_STOPS = 4  # OpenAI's limit on `stop`
 SWITCH_INTERVAL_S = 5e-4  # the server process's GIL switch interval (run_server)
-# Fields of OpenAI's API this server does not implement: refused unless they hold one of their neutral values.
-UNSUPPORTED = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0),
-               "top_p": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-               "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none")}
+OFF_LOOP_THREADS = 2  # threads that parse bodies, render chat templates and tokenize prompts
+CUT_GRACE_S = 2.0  # after the drain: the time the requests it ended have to send their error before uvicorn cancels
+GONE = 499  # the status of an answer to a client that has left (nginx's): nobody reads it
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Settings and errors
+# Settings
 
 
 @dataclass
 class Settings:
     """What the server does by default and what it accepts; a request may override chain, policy,
-    temperature and seed."""
+    temperature and seed. The timeouts and head limits are uvicorn's defaults (a keep-alive of 5 s, h11's
+    16 KB head) and nginx's (an 8 KB request line); uvicorn has no body timeout, nginx's is 60 s between reads,
+    this one is 30 s for the whole body."""
 
     model: str
     chain: int | None = None  # None = the engine's default_chain (the .pte's get_chain_len)
@@ -104,68 +125,34 @@ class Settings:
     seed: int = 0
     stop: tuple = ()  # stop tokens besides the tokenizer's end tokens (models.text.stop_ids)
     api_key: str | None = None
-    queue_size: int = 16  # requests waiting behind the one decoding
+    queue_size: int = 16  # live requests besides the one decoding
     max_body_bytes: int = 1 << 20
     stream_interval_s: float = 0.05  # a stream sends the text of the rounds since its last chunk at most this often
+    body_timeout_s: float = 30.0  # a request's body must arrive whole within this, or 408
+    idle_timeout_s: float = 5.0  # a connection's next request head must arrive whole within this, or it is closed
+    max_url_bytes: int = 8192  # the request line (method, URL, version); longer: 414
+    max_header_bytes: int = 16384  # the request head (request line and headers); longer: 431
 
 
-class RequestError(Exception):
-    """A request refused: the HTTP status, a message naming the field (`param`), and extra headers."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, *, kind: str = "invalid_request_error",
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-        span = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-        raise RequestError(400, f"{name}: expected an integer in {span}, got {v!r}", name)
-    return v
-
-
-def _number(body: dict, name: str, default, lo: float, hi: float):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_number(v) or not lo <= v <= hi:
-        raise RequestError(400, f"{name}: expected a number in [{lo}, {hi}], got {v!r}", name)
-    return float(v)
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise RequestError(400, f"{name}: expected true or false, got {v!r}", name)
-    return v
-
-
-def _stops(body: dict) -> list[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
-        raise RequestError(400, f"stop: expected a non-empty string or a list of up to {MAX_STOPS} of them, "
-                           f"got {v!r}", "stop")
-    return stops
+def check_settings(s: Settings) -> None:
+    """Refuse settings a request could not have (a ValueError naming the setting, the value and the range), at
+    start-up: a default temperature of 5 would be the default of requests that may ask for at most 2."""
+    ranges = {"temperature": (0.0, MAX_TEMPERATURE), "seed": (0, MAX_SEED), "queue_size": (0, None),
+              "max_body_bytes": (1, None), "stream_interval_s": (0.0, None), "body_timeout_s": (1e-3, None),
+              "idle_timeout_s": (1e-3, None), "max_url_bytes": (64, None), "max_header_bytes": (64, None)}
+    for name, (lo, hi) in ranges.items():
+        v = getattr(s, name)
+        whole = isinstance(lo, int)
+        ok = (isinstance(v, int) and not isinstance(v, bool) if whole else
+              isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+        if not ok or v < lo or (hi is not None and v > hi):
+            span = f"[{lo}, {'inf' if hi is None else hi}]"
+            raise ValueError(f"{name}={v!r}: expected {'an integer' if whole else 'a number'} in {span}")
+    if s.max_header_bytes < s.max_url_bytes:
+        raise ValueError(f"max_header_bytes={s.max_header_bytes} is less than max_url_bytes={s.max_url_bytes}: the "
+                         "head holds the request line")
+    if s.policy not in POLICIES:
+        raise ValueError(f"policy={s.policy!r}: expected one of {', '.join(POLICIES)}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -296,20 +283,18 @@ class Metrics:
 # One request, and the decoder that runs them one at a time
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    """One admitted request: what to generate, and the queue its events reach the handler by."""
+    """One admitted request: its fields, the prompt once tokenized, and the queue its events reach the handler
+    by. `state`: admitted (being tokenized) -> queued -> running -> done, or gone (left before it ran: its
+    client disconnected, the request was refused or the drain ended it); it changes under the decoder's lock."""
 
-    prompt: list[int]
-    max_tokens: int
-    chain: int
-    policy: str
-    temperature: float
-    seed: int
-    stops: list[str]
-    stream: bool
+    req: GenerationRequest
     arrival: float
     loop: asyncio.AbstractEventLoop
+    prompt: list[int] = field(default_factory=list)
+    max_tokens: int = 0
+    state: str = "admitted"
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -328,58 +313,116 @@ def finish_reason(res: GenerationResult | None, text: TextStream) -> str:
     return "length"  # the token budget, or the end of the cache
 
 
+def decoding_failed(e: Exception) -> RequestError:
+    return RequestError(500, f"decoding failed: {type(e).__name__}: {quote(str(e))}", kind="server_error")
+
+
 class Decoder:
-    """One engine, one request decoding at a time on one worker thread, `queue_size` more waiting. Events of
-    a job (on its asyncio queue): ("text", str) chunks (a stream's at most every stream_interval_s: each one
-    wakes the event loop, whose work then competes with the rounds for the GIL; a whole request's text at
-    the end), then ("done", result, text) or ("error", exception). The per-round hook does as little as it
-    can (every microsecond there is a share of a 1 ms round on the embedded default): the text is decoded
-    per round only for stop strings, and the latency histograms are filled once the request is done."""
+    """One engine, one request decoding at a time on one worker thread, at most `queue_size` more live ones:
+    admitted (being tokenized) or queued. The live set counts requests whose client is still there: one that
+    leaves before it runs leaves the queue at once (`release`). Events of a job (on its asyncio queue):
+    ("text", str) chunks (a stream's at most every stream_interval_s: each one wakes the event loop, whose work
+    then competes with the rounds for the GIL; a whole request's text at the end), then ("done", result,
+    text), ("error", RequestError) or ("gone",) (its client left). The per-round hook does as little as it can
+    (every microsecond there is a share of a 1 ms round on the embedded default): the text is decoded per round
+    only for stop strings, and the latency histograms are filled once the request is done."""
 
     def __init__(self, engine, tokenizer, settings: Settings, metrics: Metrics):
         self.engine, self.tokenizer, self.settings, self.metrics = engine, tokenizer, settings, metrics
         self.stop_ids = stop_ids(tokenizer, settings.stop)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="decode")
-        self.admitted = 0  # decoding + waiting; touched on the event loop only
+        self.jobs: set[Job] = set()  # the live ones; touched on the event loop only
+        self.waiting: collections.deque[Job] = collections.deque()  # queued for the worker, under `lock`
+        self.lock = threading.Condition()
+        self.closing = False
+        self.stopped: RequestError | None = None  # the drain has ended: every request gets this
         self.service_s = 1.0  # a fading mean of the seconds a request holds the engine (for Retry-After)
+        self.worker = threading.Thread(target=self._work, name="decode", daemon=True)
+        self.worker.start()
 
-    def admit(self) -> None:
-        if self.admitted >= 1 + self.settings.queue_size:
+    @property
+    def live(self) -> int:
+        return len(self.jobs)
+
+    def admit(self, req: GenerationRequest) -> Job:
+        """A slot for a request (on the event loop), or 429 when `1 + queue_size` requests are live."""
+        if self.stopped is not None:
+            raise self.stopped
+        if len(self.jobs) >= 1 + self.settings.queue_size:
             self.metrics.refused("queue_full")
-            retry = max(1, math.ceil(self.service_s * self.admitted))
+            retry = max(1, math.ceil(self.service_s * len(self.jobs)))
             raise RequestError(429, f"the queue is full ({self.settings.queue_size} requests wait behind the one "
                                f"decoding); retry in {retry} s", kind="rate_limit_error",
                                headers={"Retry-After": str(retry)})
-        self.admitted += 1
-        self.metrics.waiting.set(self.admitted - 1)
+        job = Job(req, arrival=time.perf_counter(), loop=asyncio.get_running_loop())
+        self.jobs.add(job)
+        self.metrics.waiting.set(max(len(self.jobs) - 1, 0))
+        return job
 
-    def _release(self, held_s: float) -> None:
-        self.admitted -= 1
-        self.service_s = 0.8 * self.service_s + 0.2 * held_s
-        self.metrics.waiting.set(max(self.admitted - 1, 0))
+    def submit(self, job: Job, prompt: list[int], max_tokens: int) -> None:
+        """Queue a tokenized job, unless it left while it was tokenized."""
+        with self.lock:
+            if job.state != "admitted":
+                return
+            job.prompt, job.max_tokens, job.state = prompt, max_tokens, "queued"
+            self.waiting.append(job)
+            self.lock.notify()
 
-    def submit(self, job: Job) -> None:
-        """Queue an admitted job; its slot is freed when the worker is done with it."""
-        def run():
+    def release(self, job: Job) -> bool:
+        """Its request is over for the server (on the event loop): a job that has not run leaves the queue and
+        the live set now (-> True); a running one stops after the round in flight and leaves once it has."""
+        with self.lock:
+            waiting = job.state in ("admitted", "queued")
+            if job.state == "queued":
+                self.waiting.remove(job)
+            if waiting:
+                job.state = "gone"
+        job.cancelled.set()
+        if waiting:
+            self._forget(job)
+        return waiting
+
+    def _forget(self, job: Job, held_s: float | None = None) -> None:
+        self.jobs.discard(job)
+        if held_s is not None:
+            self.service_s = 0.8 * self.service_s + 0.2 * held_s
+        self.metrics.waiting.set(max(len(self.jobs) - 1, 0))
+
+    def stop(self, error: RequestError) -> None:
+        """The drain has ended (on the event loop): every live request gets `error` now, those queued leave,
+        the one decoding stops after its round, and no other is admitted."""
+        self.stopped = error
+        for job in list(self.jobs):
+            job.events.put_nowait(("error", error))
+            self.release(job)
+
+    def _work(self) -> None:
+        while True:
+            with self.lock:
+                while not self.waiting and not self.closing:
+                    self.lock.wait()
+                if not self.waiting:
+                    return
+                job = self.waiting.popleft()
+                job.state = "running"
             t0 = time.perf_counter()
             try:
                 self._run(job)
             except Exception as e:  # the request fails, the server does not
                 log.exception("decoding failed")
                 self.metrics.success("error")
-                job.post("error", e)
+                job.post("error", decoding_failed(e))
             finally:
+                job.state = "done"
                 try:
-                    job.loop.call_soon_threadsafe(self._release, time.perf_counter() - t0)
+                    job.loop.call_soon_threadsafe(self._forget, job, time.perf_counter() - t0)
                 except RuntimeError:  # the loop has closed
                     pass
 
-        self.worker.submit(run)
-
     def _run(self, job: Job) -> None:
         m = self.metrics
-        text = TextStream(self.tokenizer, job.prompt, job.stops)
-        if job.cancelled.is_set():  # its client left while it waited
+        req = job.req
+        text = TextStream(self.tokenizer, job.prompt, req.stops)
+        if job.cancelled.is_set():  # its client left as it was taken from the queue
             m.success("abort")
             job.post("done", None, text)
             return
@@ -395,8 +438,8 @@ class Decoder:
             now = time.perf_counter()
             times.append(now)
             held.extend(ids)
-            flush = job.stream and (sent is None or now - sent >= self.settings.stream_interval_s)
-            if flush or job.stops:
+            flush = req.stream and (sent is None or now - sent >= self.settings.stream_interval_s)
+            if flush or req.stops:
                 text.push(held)
                 held.clear()
             if flush and ((chunk := text.take()) or sent is None):  # the first chunk marks the first token
@@ -405,8 +448,8 @@ class Decoder:
             return not (text.stopped or job.cancelled.is_set())
 
         try:
-            res = generate(self.engine, job.prompt, chain=job.chain, max_new_tokens=job.max_tokens,
-                           stop_ids=self.stop_ids, temperature=job.temperature, seed=job.seed, policy=job.policy,
+            res = generate(self.engine, job.prompt, chain=req.chain, max_new_tokens=job.max_tokens,
+                           stop_ids=self.stop_ids, temperature=req.temperature, seed=req.seed, policy=req.policy,
                            on_tokens=on_tokens)
         finally:
             m.running.set(0)
@@ -427,13 +470,19 @@ class Decoder:
         job.post("done", res, text)
 
     def close(self) -> None:
-        self.worker.shutdown(wait=True, cancel_futures=True)
+        """Stop the worker once the job it runs is done; jobs still queued are dropped (their handlers have
+        ended: uvicorn closes the app after its connections)."""
+        with self.lock:
+            self.closing = True
+            self.waiting.clear()
+            self.lock.notify()
+        self.worker.join()
 
 
 def usage(job: Job, res: GenerationResult | None, text: TextStream) -> dict:
     completion = text.n_tokens if text.stopped else (len(res.output_ids) if res is not None else text.n_tokens)
     return {"prompt_tokens": len(job.prompt), "completion_tokens": completion,
-            "total_tokens": len(job.prompt) + completion, "chain": job.chain, "policy": job.policy,
+            "total_tokens": len(job.prompt) + completion, "chain": job.req.chain, "policy": job.req.policy,
             "rounds": res.rounds if res is not None else 0, "tau": res.tau if res is not None else 0.0,
             "acceptance_rate": res.acceptance_rate if res is not None else 0.0,
             "tokens_per_s": res.tokens_per_s if res is not None else 0.0}
@@ -444,39 +493,83 @@ def usage(job: Job, res: GenerationResult | None, text: TextStream) -> dict:
 
 
 def create_app(engine, tokenizer, settings: Settings, *, chat_template: str | None = None):
-    """The FastAPI application over a loaded engine (any runner.engine.Engine) and its tokenizer."""
+    """The FastAPI application over a loaded engine (any runner.engine.Engine) and its tokenizer. The settings
+    and the chat template are checked here (a ValueError naming what is wrong), before anything is served."""
     meta = engine.meta
     max_k = meta["max_m"] - 1
     default_chain = meta["default_chain"] if settings.chain is None else settings.chain
     if not 0 <= default_chain <= max_k:
         raise ValueError(f"chain K={default_chain} is outside [0, {max_k}] of this engine (max_m={meta['max_m']})")
-    if settings.policy not in POLICIES:
-        raise ValueError(f"policy {settings.policy!r}: expected one of {', '.join(POLICIES)}")
+    check_settings(settings)
+    enc = encoder(tokenizer, chat_template)
+    check_chat_template(enc)
+    limits = Limits(model=settings.model, max_seq_len=meta["max_seq_len"], vocab_size=meta["vocab_size"],
+                    max_chain=max_k, chain=default_chain, policy=settings.policy, temperature=settings.temperature,
+                    seed=settings.seed)
     metrics = Metrics(settings.model)
     decoder = Decoder(engine, tokenizer, settings, metrics)
+    off_loop = ThreadPoolExecutor(OFF_LOOP_THREADS, thread_name_prefix="requests")
+    reading: set[asyncio.Timeout] = set()  # the body deadlines of requests being read: the drain's end is theirs
 
     async def lifespan(app):
         yield
+        off_loop.shutdown(wait=False, cancel_futures=True)
         decoder.close()
 
     app = FastAPI(title="eagle3", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.decoder = decoder
+    app.state.decoder, app.state.settings = decoder, settings
+
+    def stop(drain_s: float) -> None:
+        """The drain has ended: the requests still in flight are answered 503 now (runner.serve.Server)."""
+        decoder.stop(RequestError(503, f"the server is shutting down: this request did not finish within its "
+                                  f"drain time of {drain_s:g} s", kind="server_error"))
+        now = asyncio.get_running_loop().time()
+        for deadline in list(reading):
+            with contextlib.suppress(RuntimeError):  # one that has just expired on its own
+                deadline.reschedule(now)
+
+    app.state.stop = stop
+
+    def counted(e: RequestError) -> RequestError:
+        if e.status != 429:  # counted where it is refused (Decoder.admit)
+            metrics.refused("invalid" if e.status < 500 else "shutdown" if e.status == 503 else "error")
+        return e
+
+    def refusal(e: RequestError) -> JSONResponse:
+        return JSONResponse(counted(e).body(), status_code=e.status, headers=e.headers)
+
+    def internal(e: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return refusal(RequestError(500, f"internal error: {type(e).__name__}: {quote(str(e))}", kind="server_error"))
 
     @app.exception_handler(RequestError)
     async def refused(request, e: RequestError):
-        if e.status != 429:
-            metrics.refused("invalid" if e.status < 500 else "error")
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return refusal(e)
 
     @app.exception_handler(HTTPException)
-    async def http_error(request, e: HTTPException):
-        return JSONResponse(RequestError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+    async def http_error(request, e: HTTPException):  # the router's 404 and 405 (whose Allow header it keeps)
+        return JSONResponse(RequestError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(Exception)
     async def failed(request, e: Exception):
-        log.exception("request failed")
-        return JSONResponse(RequestError(500, f"internal error: {type(e).__name__}: {e}",
-                                         kind="server_error").body(), status_code=500)
+        return internal(e)
+
+    def answered(handler):
+        """An endpoint whose refusals, client departures and faults are answered here, each once: a
+        RequestError in its JSON shape, a gone client with nothing, our fault as a 500 in the same shape (logged
+        once, not re-raised into uvicorn's log as the app-wide handler would be)."""
+        @functools.wraps(handler)
+        async def endpoint(request: Request):
+            try:
+                return await handler(request)
+            except RequestError as e:
+                return refusal(e)
+            except ClientDisconnect:
+                return Response(status_code=GONE)
+            except Exception as e:
+                return internal(e)
+        return endpoint
 
     def authorise(request: Request) -> None:
         if settings.api_key is None:
@@ -487,134 +580,71 @@ def create_app(engine, tokenizer, settings: Settings, *, chat_template: str | No
             raise RequestError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                                kind="authentication_error")
 
+    async def off_the_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(off_loop, fn, *args)
+
     async def read_body(request: Request) -> dict:
+        """The body as a JSON object (runner.requests.parse_body, off the loop): 413 past max_body_bytes, 408
+        when it has not arrived whole within body_timeout_s (or 503 when the drain ends first)."""
         limit = settings.max_body_bytes
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
-            raise RequestError(413, f"the request body has {length} bytes; the limit is {limit}")
-        raw = bytearray()
-        async for piece in request.stream():
-            raw += piece
-            if len(raw) > limit:
-                raise RequestError(413, f"the request body exceeds the limit of {limit} bytes")
+            raise RequestError(413, f"the request body has {length} bytes; the limit is {limit}",
+                               headers={"Connection": "close"})
+        pieces, size = [], 0
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise RequestError(400, f"the request body is not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
+            async with asyncio.timeout(settings.body_timeout_s) as deadline:
+                reading.add(deadline)
+                try:
+                    async for piece in request.stream():
+                        pieces.append(piece)
+                        size += len(piece)
+                        if size > limit:
+                            raise RequestError(413, f"the request body exceeds the limit of {limit} bytes",
+                                               headers={"Connection": "close"})
+                finally:
+                    reading.discard(deadline)
+        except TimeoutError:
+            if decoder.stopped is not None:
+                raise decoder.stopped from None
+            raise RequestError(408, f"the request body did not arrive within body_timeout_s="
+                               f"{settings.body_timeout_s:g} s ({size} of {length or 'an unknown number of'} "
+                               "bytes came)", headers={"Connection": "close"}) from None
+        return await off_the_loop(parse_body, b"".join(pieces))
 
-    def decoding_failed(e: Exception) -> RequestError:
-        return RequestError(500, f"decoding failed: {type(e).__name__}: {e}", kind="server_error")
-
-    def check_model(body: dict) -> None:
-        name = body.get("model")
-        if name is not None and name != settings.model:
-            raise RequestError(404, f"model: {name!r} is not served here; this server serves {settings.model!r}",
-                               "model", kind="not_found_error")
-
-    def check_ids(ids: list[int], name: str) -> list[int]:
-        bad = [t for t in ids if not 0 <= t < meta["vocab_size"]]
-        if bad:
-            raise RequestError(400, f"{name}: token ids must lie in [0, {meta['vocab_size']}), got {bad[:4]}", name)
-        return ids
-
-    def completion_prompt(body: dict) -> list[int]:
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one
-        if isinstance(p, str) and p:
-            return check_ids(tokenizer.encode(p, add_special_tokens=False).ids, "prompt")
-        if isinstance(p, list) and p and all(_is_int(t) for t in p):
-            return check_ids(list(p), "prompt")
-        raise RequestError(400, "prompt: expected one non-empty string or list of token ids (one prompt per "
-                           f"request), got {json.dumps(p)[:80] if p is not None else 'nothing'}", "prompt")
-
-    def chat_prompt(body: dict) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError(400, "messages: expected a non-empty list of {role, content} objects", "messages")
-        plain = []
-        for i, msg in enumerate(messages):
-            content = msg.get("content") if isinstance(msg, dict) else None
-            if isinstance(content, list):  # content parts: only text ones
-                if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                           for c in content):
-                    raise RequestError(400, f"messages[{i}].content: only text parts are supported",
-                                       f"messages[{i}].content")
-                content = "".join(c["text"] for c in content)
-            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(content, str):
-                raise RequestError(400, f"messages[{i}]: expected {{\"role\": string, \"content\": string}}, "
-                                   f"got {json.dumps(msg)[:80]}", f"messages[{i}]")
-            plain.append({"role": msg["role"], "content": content})
-        if chat_template is None:
-            raise RequestError(400, "this model has no chat template (no chat_template.jinja beside its "
-                               "tokenizer): use /v1/completions", "messages")
-        try:
-            text = render_chat(chat_template, plain, tokenizer)
-        except Exception as e:  # the template's own checks (e.g. roles must alternate) raise here
-            raise RequestError(400, f"messages: the chat template refused them ({e})", "messages") from None
-        return check_ids(tokenizer.encode(text, add_special_tokens=False).ids, "messages")
-
-    def make_job(body: dict, prompt: list[int], budget_field: str, stream: bool) -> Job:
-        for name, neutral in UNSUPPORTED.items():
-            if name in body and body[name] not in neutral:
-                raise RequestError(400, f"{name}: not supported by this server (only {neutral[-1]!r})", name)
-        room = meta["max_seq_len"] - len(prompt)
-        max_tokens = _int(body, budget_field, None, 1)
-        if max_tokens is None and room < 1:
-            raise RequestError(400, f"the prompt has {len(prompt)} tokens: no room to generate in this model's "
-                               f"max_seq_len={meta['max_seq_len']}", budget_field)
-        max_tokens = room if max_tokens is None else max_tokens
-        if len(prompt) + max_tokens > meta["max_seq_len"]:
-            raise RequestError(400, f"{budget_field}: the prompt's {len(prompt)} tokens + {budget_field}="
-                               f"{max_tokens} exceed this model's max_seq_len={meta['max_seq_len']} (at most "
-                               f"{max(room, 0)} for this prompt)", budget_field)
-        policy = body.get("policy", settings.policy)
-        if policy not in POLICIES:
-            raise RequestError(400, f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}", "policy")
-        return Job(prompt=prompt, max_tokens=max_tokens, chain=_int(body, "chain", default_chain, 0, max_k),
-                   policy=policy, temperature=_number(body, "temperature", settings.temperature, 0.0, 2.0),
-                   seed=_int(body, "seed", settings.seed, 0, 2 ** 63 - 1), stops=_stops(body), stream=stream,
-                   arrival=time.perf_counter(), loop=asyncio.get_running_loop())
-
-    async def events_of(job: Job, request: Request):
-        """The job's events until it is done (read it under contextlib.aclosing); a client that disconnects
-        cancels the job, which stops at the next round."""
-        async def watch():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            job.cancelled.set()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            while True:
-                event = await job.events.get()
-                yield event
-                if event[0] != "text":
-                    return
-        finally:
-            job.cancelled.set()  # a no-op once it is done; stops it when the stream was abandoned
-            watcher.cancel()
+    async def watch(request: Request, job: Job) -> None:
+        """Until the client disconnects: then its job leaves the queue at once (or stops after the round in
+        flight) and its handler ends."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        if decoder.release(job):
+            metrics.success("abort")
+        job.post("gone")
 
     async def respond(request: Request, chat: bool):
         authorise(request)
-        body = await read_body(request)
-        check_model(body)
-        stream = _bool(body, "stream", False)
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise RequestError(400, f"stream_options: expected an object, got {options!r}", "stream_options")
-        include_usage = _bool(options, "include_usage", False)
-        prompt = chat_prompt(body) if chat else completion_prompt(body)
-        job = make_job(body, prompt, "max_completion_tokens" if chat and "max_completion_tokens" in body
-                       else "max_tokens", stream)
-        decoder.admit()
-        decoder.submit(job)
+        req = parse_request(await read_body(request), chat=chat, limits=limits)
+        if isinstance(req.prompt, str):  # before it takes a slot or a thread
+            check_text_fits(utf8_len(req.prompt), enc.bytes_per_token, req, limits, "prompt")
+        job = decoder.admit(req)
+        watcher = asyncio.create_task(watch(request, job))
+
+        def over() -> None:
+            watcher.cancel()
+            decoder.release(job)
+
+        try:
+            if isinstance(req.prompt, list):
+                budget = check_fits(len(req.prompt), req, limits)
+                prompt = check_ids(req.prompt, limits, "prompt")
+            else:
+                prompt, budget = await off_the_loop(prompt_ids, enc, req, limits)
+            decoder.submit(job, prompt, budget)
+        except BaseException:
+            over()
+            raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        head = {"id": rid, "created": created, "model": settings.model}
+        head = {"id": rid, "created": int(time.time()), "model": settings.model}
 
         def choice(content: str | None, reason: str | None, *, whole: bool = False) -> dict:
             """A choice of the response (`whole`) or of a chunk; a chat chunk's delta is empty at the end."""
@@ -624,16 +654,22 @@ def create_app(engine, tokenizer, settings: Settings, *, chat_template: str | No
                           ("delta", {} if content is None else {"content": content}))
             return {"index": 0, key: value, "logprobs": None, "finish_reason": reason}
 
-        if not stream:
-            parts, res, text = [], None, None
-            async with contextlib.aclosing(events_of(job, request)) as events:
-                async for event in events:
-                    if event[0] == "error":
-                        raise decoding_failed(event[1])
+        if not req.stream:
+            try:
+                parts = []
+                while True:
+                    event = await job.events.get()
                     if event[0] == "text":
                         parts.append(event[1])
+                    elif event[0] == "error":
+                        raise event[1]
+                    elif event[0] == "gone":
+                        return Response(status_code=GONE)
                     else:
                         _, res, text = event
+                        break
+            finally:
+                over()
             return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                                  "choices": [choice("".join(parts), finish_reason(res, text), whole=True)],
                                  "usage": usage(job, res, text)})
@@ -644,40 +680,55 @@ def create_app(engine, tokenizer, settings: Settings, *, chat_template: str | No
             return f"data: {json.dumps(payload)}\n\n"
 
         async def chunks():
-            if chat:  # the role comes first, as OpenAI's streams send it
-                opening = choice("", None)
-                opening["delta"]["role"] = "assistant"
-                yield sse({**head, "object": obj, "choices": [opening]})
-            async with contextlib.aclosing(events_of(job, request)) as events:
-                async for event in events:
+            """The stream's events; an error (the drain's end, a decoding failure, a fault here) is an event of
+            its own before `[DONE]`, so a stream is never cut without saying why."""
+            try:
+                if chat:  # the role comes first, as OpenAI's streams send it
+                    opening = choice("", None)
+                    opening["delta"]["role"] = "assistant"
+                    yield sse({**head, "object": obj, "choices": [opening]})
+                while True:
+                    event = await job.events.get()
                     if event[0] == "text":
                         yield sse({**head, "object": obj, "choices": [choice(event[1], None)]})
-                    elif event[0] == "error":
-                        yield sse(decoding_failed(event[1]).body())
-                    else:
+                        continue
+                    if event[0] == "error":
+                        yield sse(counted(event[1]).body())
+                    elif event[0] == "done":
                         _, res, text = event
                         yield sse({**head, "object": obj, "choices": [choice(None, finish_reason(res, text))]})
-                        if include_usage:
+                        if req.include_usage:
                             yield sse({**head, "object": obj, "choices": [], "usage": usage(job, res, text)})
-            yield "data: [DONE]\n\n"
+                    break
+                yield "data: [DONE]\n\n"
+            except Exception as e:  # our fault, mid-stream: said in the stream's own terms
+                log.exception("stream failed")
+                yield sse(counted(RequestError(500, f"internal error: {type(e).__name__}: {quote(str(e))}",
+                                               kind="server_error")).body())
+                yield "data: [DONE]\n\n"
+            finally:
+                over()
 
         return StreamingResponse(chunks(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
+    @answered
     async def completions(request: Request):
         return await respond(request, chat=False)
 
     @app.post("/v1/chat/completions")
+    @answered
     async def chat_completions(request: Request):
         return await respond(request, chat=True)
 
     @app.get("/v1/models")
+    @answered
     async def models(request: Request):
         authorise(request)
-        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
-                                            "owned_by": "eagle3", "max_model_len": meta["max_seq_len"],
-                                            "max_chain": max_k, "default_chain": default_chain}]}
+        return JSONResponse({"object": "list", "data": [
+            {"id": settings.model, "object": "model", "created": 0, "owned_by": "eagle3",
+             "max_model_len": meta["max_seq_len"], "max_chain": max_k, "default_chain": default_chain}]})
 
     @app.get("/metrics")
     async def prometheus():
@@ -690,6 +741,106 @@ def create_app(engine, tokenizer, settings: Settings, *, chat_template: str | No
     return app
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The HTTP server: uvicorn's, with limits on what a connection may send and a drain that ends every request
+
+
+def oversized_head(buffer: bytes, settings: Settings) -> tuple[int, str] | None:
+    """(status, message) for a request head, whole or in part, past the limits: 414 for a request line longer
+    than max_url_bytes, 431 for a head longer than max_header_bytes; None within them."""
+    end = buffer.find(b"\r\n\r\n")
+    head = buffer if end < 0 else buffer[:end]
+    line_end = head.find(b"\r\n")
+    line = head if line_end < 0 else head[:line_end]
+    more = "more than " if line_end < 0 else ""
+    if len(line) > settings.max_url_bytes:
+        return 414, f"the request line has {more}{len(line)} bytes; the limit is max_url_bytes={settings.max_url_bytes}"
+    if len(head) > settings.max_header_bytes:
+        more = "more than " if end < 0 else ""
+        return 431, (f"the request head has {more}{len(head)} bytes; the limit is "
+                     f"max_header_bytes={settings.max_header_bytes}")
+    return None
+
+
+class HttpProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 connection (h11) under the settings' limits. Its next request head must arrive whole
+    within idle_timeout_s of the connection opening or its last answer ending (uvicorn's keep-alive timer,
+    armed from the start and no longer reset by each byte, so an idle or slowloris socket is closed). A head
+    past max_url_bytes or max_header_bytes is answered 414 or 431, and a malformed one 400, in the JSON error
+    shape; then the connection sends nothing more, reads and drops what the client still sends (so the client
+    reads the answer instead of a reset) and closes after idle_timeout_s at most."""
+
+    def __init__(self, *args, settings: Settings, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.settings = settings
+        self.timeout_keep_alive = settings.idle_timeout_s
+        self.refused = False
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
+        self.conn.receive_data(data)
+        if self.conn.their_state is h11.IDLE and (over := oversized_head(self.conn.trailing_data[0], self.settings)):
+            self.refuse(*over)
+            return
+        self.handle_events()
+
+    def send_400_response(self, msg: str) -> None:
+        self.refuse(400, "the request is not valid HTTP/1.1")
+
+    def refuse(self, status: int, message: str) -> None:
+        self.refused = True
+        self._unset_keepalive_if_required()
+        body = json.dumps(RequestError(status, message).body(), separators=(",", ":")).encode()
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (status, STATUS_PHRASES[status], len(body), body))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.transport.close)
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def shutdown(self) -> None:
+        if self.refused:
+            self.transport.close()
+        else:
+            super().shutdown()
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown gives the requests in flight `drain_s` to finish and then ends them
+    itself (the app's `stop`: a 503 in the JSON error shape, or an error event before a stream's end), so none
+    is left for uvicorn to cancel (a text/plain 500 or a stream cut short, each with a traceback in the log)."""
+
+    def __init__(self, config: uvicorn.Config, drain_s: float):
+        super().__init__(config)
+        self.drain_s = drain_s
+
+    async def shutdown(self, sockets=None) -> None:
+        app = self.config.app
+        cut = asyncio.get_running_loop().call_later(self.drain_s, app.state.stop, self.drain_s)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
+
+
+def server(app, drain_s: float = 30.0) -> Server:
+    """The uvicorn server of an app of create_app: its HttpProtocol under the app's settings, its drain."""
+    s = app.state.settings
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            http=functools.partial(HttpProtocol, settings=s), timeout_keep_alive=s.idle_timeout_s,
+                            timeout_graceful_shutdown=drain_s + CUT_GRACE_S,
+                            h11_max_incomplete_event_size=s.max_header_bytes + 4)
+    return Server(config, drain_s)
+
+
 def warm_up(engine, chain: int | None) -> None:
     """One short generation at K = 0 and at the default K: the first calls allocate and initialise the
     delegates, which would otherwise land on the first request's latency."""
@@ -698,20 +849,37 @@ def warm_up(engine, chain: int | None) -> None:
         generate(engine, prompt, chain=k, max_new_tokens=4)
 
 
-def run_server(app, host: str = "127.0.0.1", port: int = 8000, *, drain_s: float = 30.0, ready=None) -> None:
-    """Serve `app` until SIGTERM or SIGINT, then let the requests in flight finish (up to `drain_s` seconds)
-    and return. `ready(url)` is called once the socket listens (port 0 picks a free one)."""
-    import uvicorn
-
+def listen(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
+    """A listening TCP socket on host:port (port 0 picks a free one), made before anything slow is loaded so
+    that a port in use or a bad host is refused at once: an OSError, or a ValueError for a host that does
+    not resolve or a port outside [0, 65535]."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port}: expected an integer in [0, 65535]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"host {host!r} does not resolve to an address ({e.strerror})") from None
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and without it Nagle holds a
     # small chunk back until the client's delayed ACK (40 ms) of the segment before it
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=drain_s,
-                            lifespan="on")
-    server = uvicorn.Server(config)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def run_server(app, host: str = "127.0.0.1", port: int = 8000, *, drain_s: float = 30.0, ready=None,
+               sock: socket.socket | None = None) -> None:
+    """Serve `app` (on `sock`, or a socket `listen` makes) until SIGTERM or SIGINT, then let the requests in
+    flight finish (up to `drain_s` seconds, then they are answered 503) and return. `ready(url)` is called once
+    the socket listens (port 0 picks a free one)."""
+    sock = sock if sock is not None else listen(host, port)
+    srv = server(app, drain_s)
     # The decoding thread holds the GIL between engine calls and takes it back as soon as a call returns, so
     # the event loop gets it only when the switch interval forces a hand-over: at Python's 5 ms a stream's
     # chunk left 8-13 ms after it was ready, at 0.5 ms within 0.25 ms (the embedded default at K=7, 2 cores).
@@ -720,14 +888,14 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, *, drain_s: float
     # of the collector's sight, a full collection no longer stalls every thread for ~150 ms while it scans them.
     gc.collect()
     gc.freeze()
-    bound = sock.getsockname()[1]
+    host, bound = sock.getsockname()[:2]
     if ready is not None:
-        ready(f"http://{host}:{bound}/v1")
+        ready(f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1")
     main = threading.current_thread() is threading.main_thread()
     # uvicorn re-raises the signal that stopped it once it has drained; a stopped server is a normal end
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
-        server.run(sockets=[sock])
+        srv.run(sockets=[sock])
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -739,10 +907,10 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, *, drain_s: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runner.serve", description=__doc__.split("\n")[0])
+    p = cli.Parser(prog="python -m runner.serve", description=__doc__.split("\n")[0])
     p.add_argument("--engine", choices=("pte", "cuda"), default="pte")
     p.add_argument("--pte", type=Path, help="the .pte (--engine pte)")
-    p.add_argument("--exact-width", type=int, default=None, metavar="W",
+    p.add_argument("--exact-width", type=cli.integer(2), default=None, metavar="W",
                    help="--engine pte: exact mode (runtime.exact_width), every target call W rows, every K gives "
                         "K=0's tokens bit for bit; W in [2, max_m]")
     p.add_argument("--tokenizer", required=True, type=Path, help="tokenizer.json (the target artifact's)")
@@ -750,31 +918,41 @@ def main(argv: list[str] | None = None) -> int:
                    "beside the tokenizer, if there is one")
     p.add_argument("--model-name", help="the id /v1/models lists and requests name; default: the .pte's path "
                    "(--engine cuda: the draft's)")
-    p.add_argument("--chain", type=int, default=None, help="the default K of a request, in [0, max_m-1]; "
+    p.add_argument("--chain", type=cli.integer(0), default=None, help="the default K of a request, in [0, max_m-1]; "
                    "default: the .pte's get_chain_len (required with --engine cuda)")
     p.add_argument("--policy", choices=POLICIES, default=Settings.policy, help="the default policy of a request")
-    p.add_argument("--temperature", type=float, default=Settings.temperature,
-                   help="the default temperature of a request")
-    p.add_argument("--seed", type=int, default=Settings.seed, help="the default seed of a request")
+    p.add_argument("--temperature", type=cli.number(0.0, MAX_TEMPERATURE), default=Settings.temperature,
+                   help=f"the default temperature of a request, in [0, {MAX_TEMPERATURE:g}] (a request's range)")
+    p.add_argument("--seed", type=cli.integer(0, MAX_SEED), default=Settings.seed,
+                   help="the default seed of a request")
     p.add_argument("--stop", nargs="*", default=[], help="extra stop tokens (strings or ids), for every request")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=cli.integer(1), default=None,
                    help="the runtime's CPU threads (default: the cores this process may use)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    p.add_argument("--port", type=cli.integer(0, 65535), default=8000, help="0 picks a free port (printed)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer <key>' on /v1 (default: ${API_KEY_ENV})")
-    p.add_argument("--queue-size", type=int, default=Settings.queue_size,
-                   help="requests that may wait behind the one decoding")
-    p.add_argument("--max-body-bytes", type=int, default=Settings.max_body_bytes)
-    p.add_argument("--drain-s", type=float, default=30.0, help="on SIGTERM: how long requests in flight may finish")
-    p.add_argument("--stream-interval-s", type=float, default=Settings.stream_interval_s,
+    p.add_argument("--queue-size", type=cli.integer(0), default=Settings.queue_size,
+                   help="live requests besides the one decoding; one more is answered 429")
+    p.add_argument("--max-body-bytes", type=cli.integer(1), default=Settings.max_body_bytes)
+    p.add_argument("--drain-s", type=cli.number(0.0), default=30.0,
+                   help="on SIGTERM: how long requests in flight may finish (then they are answered 503)")
+    p.add_argument("--stream-interval-s", type=cli.number(0.0), default=Settings.stream_interval_s,
                    help="a stream sends a chunk at most this often (the first token at once)")
+    p.add_argument("--body-timeout-s", type=cli.number(1e-3), default=Settings.body_timeout_s,
+                   help="a request body must arrive whole within this (else 408)")
+    p.add_argument("--idle-timeout-s", type=cli.number(1e-3), default=Settings.idle_timeout_s,
+                   help="a connection's next request head must arrive whole within this (else it is closed)")
+    p.add_argument("--max-url-bytes", type=cli.integer(64), default=Settings.max_url_bytes,
+                   help="the longest request line (else 414)")
+    p.add_argument("--max-header-bytes", type=cli.integer(64), default=Settings.max_header_bytes,
+                   help="the longest request head (else 431)")
     cuda = p.add_argument_group("--engine cuda: the target and draft artifacts, in the export's call windows")
     cuda.add_argument("--target", type=Path)
     cuda.add_argument("--draft", type=Path)
-    cuda.add_argument("--max-m", type=int)
-    cuda.add_argument("--max-prefill-chunk", type=int)
-    cuda.add_argument("--min-prefill-chunk", type=int)
+    cuda.add_argument("--max-m", type=cli.integer(2))
+    cuda.add_argument("--max-prefill-chunk", type=cli.integer(1))
+    cuda.add_argument("--min-prefill-chunk", type=cli.integer(1))
     cuda.add_argument("--device", default="cuda")
     cuda.add_argument("--quant", choices=tuple(QUANTS), default="none",
                       help="the weights: bf16, or the INT4 GPU kernels (runtime.cuda_quant; runner.cuda_engine.QUANTS)")
@@ -782,45 +960,51 @@ def main(argv: list[str] | None = None) -> int:
     cuda.add_argument("--compile", choices=("none", "inductor"), default="none",
                       help="torch.compile the dense engine's calls before capture (runtime.cuda_compile)")
     args = p.parse_args(argv)
-    if args.queue_size < 0 or args.max_body_bytes < 1 or args.drain_s < 0 or args.stream_interval_s < 0:
-        p.error("--queue-size must be >= 0, --max-body-bytes >= 1, --drain-s and --stream-interval-s >= 0")
-
-    from tokenizers import Tokenizer
+    if args.engine == "pte" and args.pte is None:
+        p.error("--engine pte needs --pte")
+    missing = [f"--{k.replace('_', '-')}" for k in ("target", "draft", "max_m", "max_prefill_chunk", "chain")
+               if getattr(args, k) is None]
+    if args.engine == "cuda" and missing:
+        p.error(f"--engine cuda needs {' '.join(missing)}")
 
     from models.text import load_chat_template
 
-    if args.engine == "pte":
-        if args.pte is None:
-            p.error("--engine pte needs --pte")
-        from runner.engine import ExactEngine, PteEngine, set_threads
-
-        set_threads(args.threads)
-        engine = PteEngine(args.pte, tokenizer=args.tokenizer)  # first: a .pte unlike its manifest is refused
-        if args.exact_width is not None:
-            engine = ExactEngine(engine, args.exact_width)
-        model = args.model_name or str(args.pte)
-    else:
-        missing = [f"--{k.replace('_', '-')}" for k in ("target", "draft", "max_m", "max_prefill_chunk", "chain")
-                   if getattr(args, k) is None]
-        if missing:
-            p.error(f"--engine cuda needs {' '.join(missing)}")
-        from runner.cuda_engine import load_cuda_engine
-
-        windows = dict(max_m=args.max_m, default_chain=args.chain, max_prefill_chunk=args.max_prefill_chunk,
-                       min_prefill_chunk=args.min_prefill_chunk or args.max_m + 1)
-        engine = load_cuda_engine(args.target, args.draft, windows=windows, device=args.device,
-                                  quant=args.quant, exact=args.exact, compile=args.compile)
-        model = args.model_name or str(args.draft)
-    tokenizer = Tokenizer.from_file(str(args.tokenizer))
-    template = (args.chat_template.read_text(encoding="utf-8") if args.chat_template
-                else load_chat_template(args.tokenizer.parent))
+    model = args.model_name or str(args.pte if args.engine == "pte" else args.draft)
     settings = Settings(model=model, chain=args.chain, policy=args.policy, temperature=args.temperature,
                         seed=args.seed, stop=tuple(args.stop), api_key=args.api_key or None,
                         queue_size=args.queue_size, max_body_bytes=args.max_body_bytes,
-                        stream_interval_s=args.stream_interval_s)
-    app = create_app(engine, tokenizer, settings, chat_template=template)
-    warm_up(engine, args.chain)
-    run_server(app, args.host, args.port, drain_s=args.drain_s,
+                        stream_interval_s=args.stream_interval_s, body_timeout_s=args.body_timeout_s,
+                        idle_timeout_s=args.idle_timeout_s, max_url_bytes=args.max_url_bytes,
+                        max_header_bytes=args.max_header_bytes)
+    check_settings(settings)
+    # Everything that can be refused in a moment is, before the program loads (seconds): the address, the
+    # tokenizer, the chat template
+    sock = listen(args.host, args.port)
+    try:
+        tokenizer = cli.load_tokenizer(args.tokenizer)
+        template = (cli.read_text(args.chat_template, "chat template") if args.chat_template
+                    else load_chat_template(args.tokenizer.parent))
+        check_chat_template(encoder(tokenizer, template))
+        if args.engine == "pte":
+            from runner.engine import ExactEngine, set_threads
+
+            set_threads(args.threads)
+            engine = cli.load_pte(args.pte, args.tokenizer)  # first: a .pte unlike its manifest is refused
+            if args.exact_width is not None:
+                engine = ExactEngine(engine, args.exact_width)
+        else:
+            from runner.cuda_engine import load_cuda_engine
+
+            windows = dict(max_m=args.max_m, default_chain=args.chain, max_prefill_chunk=args.max_prefill_chunk,
+                           min_prefill_chunk=args.min_prefill_chunk or args.max_m + 1)
+            engine = load_cuda_engine(args.target, args.draft, windows=windows, device=args.device,
+                                      quant=args.quant, exact=args.exact, compile=args.compile)
+        app = create_app(engine, tokenizer, settings, chat_template=template)
+        warm_up(engine, args.chain)
+    except BaseException:
+        sock.close()
+        raise
+    run_server(app, sock=sock, drain_s=args.drain_s,
                ready=lambda url: print(f"serving {model} at {url}" + (" (API key required)" if settings.api_key
                                                                        else ""), flush=True))
     print("stopped", flush=True)
@@ -828,9 +1012,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as e:  # refusals (a changed .pte, K out of range) read as one line
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main)

@@ -5,7 +5,9 @@ pipeline.artifacts.load_engine), behind the OpenAI-compatible server of runner.s
 not content-addressed: it builds nothing, and its report (the requests served, by finish reason) goes into the
 job's result.json and MLflow run when the server stops. The server's options are `serve.*`; a request's
 defaults are runtime.chain, runtime.policy, runtime.temperature, runtime.seed and runtime.stop; the chat template
-is the target artifact's. The API key comes from $EAGLE3_API_KEY only: the config is logged with the job.
+is the target artifact's. The API key comes from $EAGLE3_API_KEY only: the config is logged with the job. The
+address is bound and the settings and chat template checked before the engine loads, so that a port in use, a
+default temperature no request could have or a broken template stops the stage at once, naming it.
 """
 
 from __future__ import annotations
@@ -34,21 +36,33 @@ def upstream_for(cfg: DictConfig) -> tuple[str, ...]:
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     from tokenizers import Tokenizer
 
-    from runner.serve import API_KEY_ENV, Settings, create_app, run_server, warm_up
+    from runner.requests import check_chat_template, encoder
+    from runner.serve import API_KEY_ENV, Settings, check_settings, create_app, listen, run_server, warm_up
 
     rt, sc = cfg.runtime, cfg.serve
     target_dir = Path(upstream["target"].path)
-    engine = load_engine(cfg, upstream)
-    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     served = upstream.get("export") or upstream["draft"]  # the CUDA engine reads no export artifact
+    given = {k: type(getattr(Settings, k))(sc[k])  # the limits of runner.serve.HttpProtocol, as serve.* sets them
+             for k in ("body_timeout_s", "idle_timeout_s", "max_url_bytes", "max_header_bytes") if k in sc}
     settings = Settings(model=sc.model_name or f"eagle3-{served.key[:12]}",
                         chain=None if rt.chain is None else int(rt.chain), policy=str(rt.policy),
                         temperature=float(rt.temperature), seed=int(rt.seed), stop=tuple(rt.stop),
                         api_key=os.environ.get(API_KEY_ENV) or None, queue_size=int(sc.queue_size),
-                        max_body_bytes=int(sc.max_body_bytes), stream_interval_s=float(sc.stream_interval_s))
-    app = create_app(engine, tokenizer, settings, chat_template=load_chat_template(target_dir))
-    warm_up(engine, settings.chain)
-    run_server(app, str(sc.host), int(sc.port), drain_s=float(sc.drain_s),
+                        max_body_bytes=int(sc.max_body_bytes), stream_interval_s=float(sc.stream_interval_s),
+                        **given)
+    check_settings(settings)
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    template = load_chat_template(target_dir)
+    check_chat_template(encoder(tokenizer, template))
+    sock = listen(str(sc.host), int(sc.port))
+    try:
+        engine = load_engine(cfg, upstream)
+        app = create_app(engine, tokenizer, settings, chat_template=template)
+        warm_up(engine, settings.chain)
+    except BaseException:
+        sock.close()
+        raise
+    run_server(app, sock=sock, drain_s=float(sc.drain_s),
                ready=lambda url: log.info("serving %s at %s (engine %s%s); SIGTERM or Ctrl-C stops it",
                                           settings.model, url, rt.engine,
                                           ", API key required" if settings.api_key else ""))
