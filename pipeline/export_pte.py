@@ -143,7 +143,8 @@ def check_dispatch_windows(windows: Mapping[str, tuple[int, int]], max_m: int) -
             )
 
 
-DEFAULT_CHAIN = 4  # the largest default K (`default_chain: auto`, pipeline.hardware): the trained drafts' best
+DEFAULT_CHAIN = 6  # the largest default K (`default_chain: auto`, pipeline.hardware): the best K of the measured
+# round on the embedded default (bench.round, docs/results.md: K = 6 at one thread; K = 5 and 6 within noise at two)
 
 
 def windows(ec) -> dict:

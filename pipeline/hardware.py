@@ -14,7 +14,7 @@ fp32 GEMM takes 7 rows a pass on AVX-512 and 6 on AVX2, its 8da4w GEMM 8 and 3):
   quiet machine's speed, ACTIVE keeps the idle thread spinning; `bench/lab/omp_wait.py`).
 - `runtime.exact: auto`: exact mode (runner.engine.ExactEngine) where a row's rounding can flip a token (the
   CUDA engine, an int4 .pte target), and `runtime.exact_width: auto` its call width, the GEMM's row tile.
-- `export.default_chain: auto`: the default K at most 4 and, on XNNPACK, at most the rows its GEMM takes in
+- `export.default_chain: auto`: the default K at most DEFAULT_CHAIN (6) and, on XNNPACK, at most the rows its GEMM takes in
   one pass for the target's weights on this CPU minus one (`row_tile`), so the default window T = K+1 does
   not read the weights twice. max_m itself stays 8 everywhere: one .pte serves K = 1..7 on every machine, a
   wider range costs the narrower windows nothing, and the adaptive policy knows each window's measured cost

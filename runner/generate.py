@@ -225,8 +225,11 @@ class Inputs:
 
     def __call__(self, ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(ids)
-        self._tok[0, :n] = ids
-        np.add(self._arange[:n], start, out=self._pos[:n])
+        if n == 1:  # a draft step or a decode: two scalar stores
+            self._tok[0, 0], self._pos[0] = ids[0], start
+        else:
+            self._tok[0, :n] = ids
+            np.add(self._arange[:n], start, out=self._pos[:n])
         return self.tok[n], self.pos[n]
 
 

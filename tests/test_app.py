@@ -133,14 +133,14 @@ def test_an_unresolved_auto_never_reaches_a_key():
         plan_keys(compose_cfg(resolve=False), stage_modules())
 
 
-@pytest.mark.parametrize("tile, quant, chain", [(7, "int4_draft", 4), (6, "none", 4), (3, "int4", 2), (2, "int4", 1)])
+@pytest.mark.parametrize("tile, quant, chain", [(7, "int4_draft", 6), (6, "none", 5), (3, "int4", 2), (2, "int4", 1)])
 def test_auto_default_chain_keeps_the_default_window_in_one_gemm_pass(monkeypatch, tile, quant, chain):
     monkeypatch.setattr(hardware, "row_tile", lambda q: {"tile": tile, "capability": "pinned by the test"})
     cfg = compose_cfg(f"export.quant={quant}")
     assert cfg.export.default_chain == chain
     assert export_key(f"export.quant={quant}") == export_key(f"export.quant={quant}", f"export.default_chain={chain}")
-    # the CUDA engine exports nothing: its default K is min(4, max_m - 1) whatever the CPU
-    assert compose_cfg(f"export.quant={quant}", "runtime.engine=cuda").export.default_chain == 4
+    # the CUDA engine exports nothing: its default K is min(DEFAULT_CHAIN, max_m - 1) whatever the CPU
+    assert compose_cfg(f"export.quant={quant}", "runtime.engine=cuda").export.default_chain == 6
 
 
 def test_export_max_m_changes_the_export_key():
