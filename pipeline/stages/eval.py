@@ -225,7 +225,8 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         generate(engine, prompts[0], chain=chain, policy=policy, **{**kwargs, "max_new_tokens": 8})
 
     passes, plain, all_equal = [], [], True
-    with open(out / "generations.jsonl", "w") as gens, tqdm(total=len(prompts), desc=f"eval K={chain}", unit="prompt") as bar:
+    bar = tqdm(total=len(prompts), desc=f"eval K={chain}", unit="prompt")
+    with open(out / "generations.jsonl", "w") as gens, bar:
         while not passes or not settled(passes, int(rt.repeats), float(rt.repeat_tolerance)):
             runs, first_pass = [], not passes
             bar.reset(total=len(prompts))
