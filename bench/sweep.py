@@ -5,8 +5,9 @@
 
 Runs `python -m pipeline -m runtime.chain=...` (Hydra's basic launcher: one job at a time, so the jobs do not
 share the cores they are timed on), reads each job's metrics.json and prints the table with the per-round
-breakdown (verify ms, draft ms) that explains it. Goal on the default with XNNPACK on this machine:
-speedup >= 2.0x at the best K and tau >= 3 at K = 4 on held-out prompts.
+breakdown (verify ms, draft ms, the round's whole wall time) that explains it, with each job's passes and the
+spread of their speedups; `--json F` writes the rows and the CPU. Goal on the default with XNNPACK on this
+machine: speedup >= 2.0x at the best K and tau >= 3 at K = 4 on held-out prompts.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ def read_metrics(sweep_dir: Path) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'K':>3} {'tau':>6} {'tok/s':>8} {'base tok/s':>10} {'speedup':>8} {'accept':>7} " \
-           f"{'verify ms':>9} {'draft ms':>8} {'lossless':>8}"
+    head = f"{'K':>3} {'tau':>6} {'tok/s':>8} {'base tok/s':>10} {'speedup':>8} {'passes':>13} {'accept':>7} " \
+           f"{'verify ms':>9} {'draft ms':>8} {'round ms':>8} {'lossless':>8}"
     lines = [head, "-" * len(head)]
     for m in rows:
+        spread = f"{m['passes']}: {m['speedup_min']:.2f}-{m['speedup_max']:.2f}"
         lines.append(f"{m['chain']:>3} {m['tau']:>6.2f} {m['tokens_per_s']:>8.1f} {m['baseline_tokens_per_s']:>10.1f} "
-                     f"{m['speedup']:>7.2f}x {m['acceptance_rate']:>7.2f} {m['verify_ms_per_round']:>9.2f} "
-                     f"{m['draft_ms_per_round']:>8.2f} {str(m['lossless']):>8}")
+                     f"{m['speedup']:>7.2f}x {spread:>13} {m['acceptance_rate']:>7.2f} {m['verify_ms_per_round']:>9.2f} "
+                     f"{m['draft_ms_per_round']:>8.2f} {m['round_ms']:>8.2f} {str(m['lossless']):>8}")
     return "\n".join(lines)
 
 
@@ -68,6 +70,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chains", default="1,2,3,4,5,6,7")
     p.add_argument("--sweep-dir", type=Path, default=None, help="re-read an existing sweep instead of running")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows and the CPU they ran on here")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every job (after --)")
     args = p.parse_args()
     sweep_dir = args.sweep_dir
@@ -81,6 +84,11 @@ def main() -> int:
     print(f"\nsweep {sweep_dir} ({rows[0]['n_prompts']} held-out prompts, .pte {rows[0]['pte_sha256'][:12]})")
     print(table(rows))
     print(verdict(rows))
+    if args.json:
+        from pipeline.hardware import cpu_fingerprint
+
+        args.json.write_text(json.dumps({"machine": cpu_fingerprint(), "overrides": args.overrides, "rows": rows},
+                                        indent=1))
     return 0
 
 
