@@ -37,6 +37,8 @@ from safetensors.torch import load_file
 
 from pipeline_fakes import seed_mlflow_db
 
+pytestmark = pytest.mark.slow  # torchrun ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5

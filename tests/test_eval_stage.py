@@ -190,6 +190,7 @@ def run_stage(stage_inputs, tmp_path, **runtime):
     return report, metrics, gens
 
 
+@pytest.mark.slow  # the stage over an exported program
 def test_eval_writes_metrics_and_generations(stage_inputs, tmp_path):
     report, m, gens = run_stage(stage_inputs, tmp_path, chain=4)
     assert set(m) == METRIC_NAMES | {f"acceptance_pos_{i}" for i in range(4)}
@@ -206,6 +207,7 @@ def test_eval_writes_metrics_and_generations(stage_inputs, tmp_path):
         assert g["text"].split() == [(["<|bos|>", "<|eos|>"] + WORDS)[i] for i in g["output_ids"]]
 
 
+@pytest.mark.slow  # the stage over an exported program
 def test_eval_in_exact_mode_checks_every_k_against_the_exact_k0_and_times_the_plain_decode(stage_inputs, tmp_path):
     _, m, gens = run_stage(stage_inputs, tmp_path, chain=3, exact=True, exact_width=4)
     assert m["exact_width"] == 4 and m["max_m"] == 4 and m["lossless"] is True
@@ -214,6 +216,7 @@ def test_eval_in_exact_mode_checks_every_k_against_the_exact_k0_and_times_the_pl
     assert all(len(g["output_ids"]) == 24 or g["output_ids"][-1] == 1 for g in gens)
 
 
+@pytest.mark.slow  # the stage over an exported program
 def test_eval_prompts_are_cut_as_the_taps_cut_their_held_out_prompts(stage_inputs, tmp_path):
     """The draft stage predicts tau on held-out taps whose prompts pipeline.prompts.cut made; the eval's own
     prompts come from the same function on the same split (seeded by runtime.seed), so both measure one
@@ -231,6 +234,7 @@ def test_eval_prompts_are_cut_as_the_taps_cut_their_held_out_prompts(stage_input
     assert [g["prompt_ids"] for g in gens] != prompts.cut(held_out, tok, 3, 12, 6, "plain").tolist()
 
 
+@pytest.mark.slow  # the stage over an exported program
 def test_eval_from_a_prompt_file_with_the_eager_engine_and_the_default_chain(stage_inputs, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "w1 w2 w3 w4 w5"}\n{"prompt": "w9"}\n')
@@ -239,6 +243,7 @@ def test_eval_from_a_prompt_file_with_the_eager_engine_and_the_default_chain(sta
     assert [g["prompt_ids"] for g in gens] == [[3, 4, 5, 6, 7], [11]]
 
 
+@pytest.mark.slow  # the stage over an exported program
 def test_eval_adaptive_policy_logs_k_per_round(stage_inputs, tmp_path):
     _, m, gens = run_stage(stage_inputs, tmp_path, chain=2, policy="adaptive")
     assert m["lossless"] is True and set(f"acceptance_pos_{i}" for i in range(5)) <= set(m)
@@ -249,11 +254,13 @@ def test_eval_adaptive_policy_logs_k_per_round(stage_inputs, tmp_path):
     assert any(g["chain_per_round"] for g in gens)
 
 
+@pytest.mark.slow  # the stage over an exported program
 def test_eval_refuses_a_chain_outside_the_pte_range(stage_inputs, tmp_path):
     with pytest.raises(ValueError, match=r"K=6 is outside the valid range \[1, 5\]"):
         run_stage(stage_inputs, tmp_path, chain=6)
 
 
+@pytest.mark.slow  # the stage over an exported program
 def test_a_lossless_mismatch_fails_loudly_unless_allowed(stage_inputs, tmp_path, monkeypatch):
     real = eval_stage.generate
 
@@ -270,6 +277,7 @@ def test_a_lossless_mismatch_fails_loudly_unless_allowed(stage_inputs, tmp_path,
     assert m["lossless"] is False and all(g["lossless"] is False and g["first_difference"] == 0 for g in gens)
 
 
+@pytest.mark.slow  # the stage over an exported program
 def test_prompt_file_lines_too_long_are_refused_or_skipped_naming_file_and_lines(stage_inputs, tmp_path):
     from pipeline.validate import ConfigError
 
@@ -282,6 +290,7 @@ def test_prompt_file_lines_too_long_are_refused_or_skipped_naming_file_and_lines
     assert m["n_prompts"] == 2 and [g["prompt"] for g in gens] == ["w1 w2 w3", "w9"]
 
 
+@pytest.mark.slow  # the stage over an exported program
 def test_prompt_len_without_room_for_max_new_tokens_is_refused_before_any_prompt_is_cut(stage_inputs, tmp_path):
     from pipeline.validate import ConfigError
 

@@ -20,7 +20,7 @@ from runner.generate import generate, prefill
 
 from oracle import Oracle
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # exports an int4 program
 
 MAX_M, VOCAB = 4, 384
 SHAPE = dict(n_layers=2, hidden_size=128, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=256,

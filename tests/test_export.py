@@ -26,6 +26,8 @@ from pipeline.stages import export as export_stage
 from pipeline import export_pte as export_lib
 from pipeline import pte_segments
 
+pytestmark = pytest.mark.slow  # exports programs
+
 MAX_M, CHAIN, MIN_PREFILL, MAX_PREFILL, MAX_SEQ = 4, 2, 5, 16, 64
 BACKENDS = [("portable", "none"), ("xnnpack", "none")]
 if os.environ.get("EXPORT_TEST_INT4", "1") != "0":

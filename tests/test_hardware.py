@@ -68,6 +68,7 @@ def test_an_explicit_bf16_without_native_bf16_is_kept_and_warned_about_once(monk
     assert hardware.resolve_autocast(None, "cpu", "draft.train.autocast") is None
 
 
+@pytest.mark.slow
 def test_the_row_tile_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
     """The real probe (an XNNPACK program timed at M = 1..16, in a process of its own), then the cache."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

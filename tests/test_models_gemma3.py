@@ -329,6 +329,7 @@ def gemma_pte(tmp_path_factory):
     return types.SimpleNamespace(path=out, report=report, speculator=speculator, seed=seed)
 
 
+@pytest.mark.slow
 def test_exported_gemma_methods_match_eager(gemma_pte):
     from executorch.runtime import Runtime
 

@@ -182,6 +182,7 @@ def test_llama_runs_numpy_loss_is_the_torch_one(seed):
     assert llama_run.nll(logits.numpy(), targets) == pytest.approx(peers._nll(logits, targets), rel=1e-9)
 
 
+@pytest.mark.slow  # an exported program
 def test_the_pte_loss_and_greedy_reference_are_the_eager_targets(tiny_pte, seed):
     """The quality section's three readings of one fp32 model agree: the .pte's target_verify windows give the
     eager stateless loss (within float noise, whatever the window length against max_m), and the eager cached

@@ -16,7 +16,7 @@ from runner.generate import generate
 
 from oracle import Oracle
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # an exported program, subprocesses
 
 PROMPT = [(7 * i + 3) % 200 + 2 for i in range(40)]
 

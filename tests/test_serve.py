@@ -38,7 +38,7 @@ CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ me
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ("<|im_start|>", "<|eos|>", "<|im_end|>", "<unk>")
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # a server over an exported program
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a subprocess per case
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a whole multirun pipeline
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAINS = (1, 2, 4, 7)
 EVAL_METRICS = ("chain", "max_m", "tokens_per_s", "baseline_tokens_per_s", "speedup", "tau", "acceptance_rate",

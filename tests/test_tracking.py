@@ -17,6 +17,8 @@ import pytest
 from pipeline import tracking
 from pipeline_fakes import run_app, seed_mlflow_db, write_fake_stages
 
+pytestmark = pytest.mark.slow  # pipeline jobs and MLflow stores
+
 
 def runs_of(outputs):
     tracker = tracking.open_tracker({"enabled": True, "experiment": "eagle3"}, outputs)
