@@ -197,8 +197,9 @@ class CudaEngine(Engine):
                                     manifest_hash=manifest_hash)
         target_decode, target_verify, draft_decode = compiled(spec, compile, max_m)
         decode, verify = fixed_width(target_verify, max_m) if exact else (target_decode, target_verify)
-        if exact:
+        if exact:  # the width every target call runs at, as runner.engine.ExactEngine reports it (the eval's metric)
             self.meta["max_seq_len"] -= max_m - 1  # the padding rows' slots
+            self.meta["exact_width"] = max_m
         H = spec.draft.cfg.hidden_size
         self.decode = _Call(decode, 1, None, self.device, self.dtype)
         self.verify = {T: _Call(verify, T, None, self.device, self.dtype) for T in range(2, max_m + 1)}

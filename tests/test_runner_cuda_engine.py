@@ -110,6 +110,9 @@ def test_exact_runs_every_target_call_at_max_m_rows_and_a_row_the_same_at_every_
 
 def test_exact_rounds_are_lossless_up_to_a_full_cache():
     engine = CudaEngine(speculator(4), device="cpu", dtype="bfloat16", graphs=False, exact=True, **WINDOWS)
+    assert engine.meta["exact_width"] == WINDOWS["max_m"]  # the eval's exact_width metric reads it
+    assert "exact_width" not in CudaEngine(speculator(4), device="cpu", dtype="bfloat16", graphs=False, exact=False,
+                                           **WINDOWS).meta
     for prompt in prompts(3, seed=9):
         base = generate(engine, prompt, chain=0, max_new_tokens=200)
         assert base.stop_reason == "cache_full"
