@@ -15,9 +15,9 @@ Vd = draft vocab). Every method returns a list, in this order:
     draft_decode    tokens[1,T], feature[1,T,H], input_pos[T]         ids[1,T] (TARGET vocab), g[1,T,H], logits[1,T,Vd]   [1, max(max_prefill_chunk, max_m)]
 
 Shared state. The methods are traced from thin wrapper modules that all hold the SAME Speculator under the
-same attribute name, so every KV-cache buffer has one fully qualified name in all four graphs. With
+same attribute name, so every KV-cache buffer has one fully qualified name in all five graphs. With
 `MemoryPlanningPass(share_mutable_buffers=True)` and `emit_mutable_buffer_names=True` each name is planned
-once for the whole program: prefill, target_verify and target_decode read and write one target cache,
+once for the whole program: prefill, target_verify(_exact) and target_decode read and write one target cache,
 draft_decode owns the draft cache. State lives as long as the loaded program; a second
 `Runtime.load_program` starts from a fresh arena (zeros in the Python runtime; the causal mask hides
 every slot that was not written, and later writes overwrite rejected slots, so nothing needs a reset).
@@ -76,7 +76,7 @@ passes it. A model with an attention soft-cap (no such option in custom_sdpa) ke
 (models.layers.load_llama_ops; runner.engine.PteEngine does it).
 
 Stored once. Every weight is one range of the file, however many methods, models and consumers read it.
-Equal constants of the four methods share one constant-segment entry (the emitter keys them by content),
+Equal constants of the five methods share one constant-segment entry (the emitter keys them by content),
 and equal delegate weights share one named-data entry (XNNPACK keys them by sha256). The token embedding
 is the largest table (Gemma 3 270M: 262,144 x 640 fp32, 671 MB, most of the weights) and has three
 readers: the target's lookup and the draft's (one Parameter, models.Speculator), which run outside the
