@@ -81,6 +81,13 @@ def _ms(fn, *args) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _after(engine, prev, fn, inputs) -> float:
+    """ms of `fn(*inputs)` run right after the call that preceded it in the loop (`prev`: name, inputs)."""
+    if prev is not None:
+        getattr(engine, prev[0])(*prev[1])
+    return _ms(fn, *inputs)
+
+
 def _label(name: str, inputs) -> str:
     return f"{name} T={inputs[0].shape[-1]}"
 
@@ -94,8 +101,7 @@ def replay(engine, calls: list) -> tuple[dict, dict]:
         fn = getattr(engine, name)
         raw = engine._methods[name]._method
         t = {"in_place": in_place, "n": 1}
-        t["after"] = min(_ms(fn, *inputs) if prev is None else (getattr(engine, prev[0])(*prev[1]), _ms(fn, *inputs))[1]
-                         for _ in range(2))
+        t["after"] = min(_after(engine, prev, fn, inputs) for _ in range(2))
         t["alone"] = min(_ms(fn, *inputs) for _ in range(3))
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as the engine runs a program (runner.engine.PteEngine._run)
