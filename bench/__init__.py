@@ -1,6 +1,7 @@
 """Benchmarks a user runs from the repository root as `python -m bench.X` (each script's --help lists its options;
-each writes a JSON, the recorded ones in bench/results/). bench/lab/ holds one-off investigations. Nothing outside
-bench/ (and its tests) imports it."""
+each writes a JSON, the recorded ones in bench/results/), and the parts they share, one job each (gguf_write,
+quality, pte_profile, bytes_floor, machine, hf_run, targets: no `__main__`). bench/lab/ holds one-off
+investigations. Nothing outside bench/ (and its tests) imports it."""
 
 from models import threads
 

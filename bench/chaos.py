@@ -81,7 +81,7 @@ def pte_sha256(outputs: Path) -> str:
 
 
 def check(outputs: Path, reference_sha: str, last: dict) -> dict[str, tuple[bool, str]]:
-    from pipeline import tracking
+    from pipeline import tracking, tracking_queue
 
     checks = {}
     done = results(outputs)
@@ -111,7 +111,7 @@ def check(outputs: Path, reference_sha: str, last: dict) -> dict[str, tuple[bool
                                       or "tau" not in mine[0].data.metrics):
             bad.append(f"{r['job_dir']}: {mine[0].info.status}, metrics {sorted(mine[0].data.metrics)[:5]}")
     running = [run.info.run_name for run in runs if run.info.status == "RUNNING"]
-    pending = list(outputs.rglob(tracking.PENDING_FILE))
+    pending = list(outputs.rglob(tracking_queue.PENDING_FILE))
     checks["MLflow: each job once, FINISHED with its metrics"] = (
         not bad and not running and not pending,
         f"{len(runs)} runs, {len(ok)} ok jobs; problems {bad[:3]}, RUNNING {running[:3]}, pending {pending[:3]}")

@@ -32,7 +32,7 @@ preset_shape  the preset's shape with random weights: the engine's K = 0 against
 real    a real preset (--target gemma3_270m | smollm2_135m: the GGUF its package holds, read as the pipeline
         reads it) and its trained draft (--draft, a speculators directory) on the preset's own prompts:
         the engine in bf16 (its K = 0 the quality reference), INT4 on the kernels in exact mode (each
-        runtime.cuda_quant scheme) and bf16 through inductor (runtime.cuda_compile), at K = 0 and every K,
+        engine.quant scheme) and bf16 through inductor (engine.compile), at K = 0 and every K,
         each with its load seconds and prefill ms; llama.cpp's CUDA build on the same GGUF (every layer
         offloaded, in a process of its own: bench.llama_run), plain and with prompt lookup;
         transformers on the same GGUF in bf16, default cache and compiled static cache. Whole-generation and
@@ -58,9 +58,10 @@ from pathlib import Path
 import torch
 
 from models import Speculator, Transformer, draft_config_for
+from models.choices import CUDA_QUANTS
 from models.config import TargetConfig
 from models.draft import Eagle3Draft
-from runner.cuda_engine import QUANTS, CudaEngine
+from runner.cuda_engine import CudaEngine
 from runner.generate import generate
 
 MAX_M = 8
@@ -443,8 +444,8 @@ def gemma(out: dict, save, context: int = 128) -> None:
 REAL_CHAINS = tuple(range(MAX_M))
 # the engine's modes in `real`: part name -> (label, CudaEngine options); bf16 first, the quality reference
 REAL_MODES = {"bf16": ("bf16", {}),
-              **{quant: (f"{quant} exact", dict(kernels=True, exact=True, **QUANTS[quant]))
-                 for quant in ("int4", "int4_g128")},  # runtime.cuda_quant's schemes
+              **{quant: (f"{quant} exact", dict(kernels=True, exact=True, **options))
+                 for quant, options in CUDA_QUANTS.items() if options},  # engine.quant's INT4 schemes
               "bf16_inductor": ("bf16 inductor", dict(compile="inductor"))}
 REAL_PARTS = (*REAL_MODES, "llama", "quality", "hf", "hf_default")
 QUALITY_WINDOWS, QUALITY_LEN, AGREE_TOKENS = 16, 192, 128
@@ -455,7 +456,7 @@ def real_target(name: str, draft_dir: str):
     (conf/target/<name>.yaml: its package, cache size, tap layers, prompt format) and a trained draft."""
     import yaml
 
-    from bench.peers import PRESETS, WORK
+    from bench.targets import PRESETS, WORK
     from models import load_speculators
     from models.gguf import package_gguf, read_gguf
 
@@ -494,14 +495,14 @@ def engine_rows(engine, prompts, chains, new_tokens, log, save) -> dict:
 
 def hf_decode(model, prompts, new_tokens: int) -> dict:
     """transformers' generate (its generation config as set): whole-generation tokens/s, then the decode-only
-    rate from a second pass with bench.peers' streamer clock (from the first token handed over after the
+    rate from a second pass with bench.hf_run's StreamClock (from the first token handed over after the
     prompt to the last; the same shapes, so a compiled static cache does not compile again)."""
-    from bench.peers import _Clock
+    from bench.hf_run import StreamClock
 
     row = hf_generate(model, prompts, new_tokens)
     tokens = secs = 0.0
     for ids in prompts:
-        clock = _Clock()
+        clock = StreamClock()
         model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=new_tokens, streamer=clock,
                        **hf_kwargs(model))
         (t0, first), (t1, _) = clock.marks[1], clock.marks[-1]  # marks[0] is the prompt handed over
@@ -519,7 +520,9 @@ def our_logits(target):
 def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens: int, parts: set[str]) -> None:
     """A real preset's GGUF and its trained draft on one GPU (module doc, `real`)."""
     from bench import llama_run
-    from bench.peers import PEERS_INSTALL, PRESETS, common_prefix, hf_model_from_gguf, make_prompts
+    from bench.hf_run import hf_model_from_gguf
+    from bench.peers import PEERS_INSTALL, common_prefix
+    from bench.targets import PRESETS, make_prompts
 
     log = lambda msg: print(f"real {name}: {msg}", flush=True)  # noqa: E731
     t = time.perf_counter()

@@ -122,7 +122,7 @@ def child(args) -> dict:
     threads = set_threads(args.threads)
     from tokenizers import Tokenizer
 
-    from bench.peers import make_prompts
+    from bench.targets import make_prompts
     from pipeline.hardware import cpu_fingerprint
     from runner.generate import generate
 
@@ -188,7 +188,7 @@ def table(result: dict) -> str:
 
 def newest_default_export(store: Path) -> tuple[Path, Path, str]:
     """(model.pte, tokenizer.json, prompt format) of the store's newest export of the embedded default."""
-    from bench.peers import store_exports, which_target
+    from bench.targets import store_exports, which_target
 
     exports = [e for e in store_exports(store) if which_target(e["target_cfg"]) == "tiny"]
     if not exports:

@@ -620,10 +620,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tokenizers import Tokenizer
 
-    from runner.engine import PteEngine
+    from runner.build import build_engine
 
     torch.set_num_threads(args.threads)
-    engine = PteEngine(pte)
+    engine = build_engine({"kind": "pte"}, pte=pte, tokenizer=tok_path)  # as runner.serve builds it
     tokenizer = Tokenizer.from_file(str(tok_path))
     head = {"command": "python -m bench.serve " + " ".join(argv if argv is not None else sys.argv[1:]),
             "pte": str(pte), "tokenizer": str(tok_path), "threads": args.threads, "machine": machine(),

@@ -1,5 +1,6 @@
 """Target transformer, EAGLE-3 draft head, the Speculator that defines the exported methods, checkpoints; and the
-facts every layer shares: a target's text (models.text) and the muting of third-party noise (models.quiet).
+facts every layer shares: a target's text (models.text), the names of the run-time choices (models.choices) and
+the muting of third-party noise (models.quiet).
 
 No Hydra and no pipeline code here: these are the modules every stage, the exporter and the runner share. The
 package itself imports nothing: each name below loads its module on first use, so `import models.quiet` or

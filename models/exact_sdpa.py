@@ -7,29 +7,24 @@ cache: llama::custom_sdpa gives call-independent rows only under a mask over eve
 SmolLM2's exact call 9.1 of its 24.6 ms (docs/results.md, "CPU: against peers").
 
 Two halves, one definition: the op for torch (a PyTorch reference for eager runs and export, a fake for
-tracing) and its ExecuTorch kernel (exact_sdpa.cpp), compiled on first use against the executorch wheel's
-headers and libraries into the user's cache (`kernel_library`) and loaded into this process's runtime
-(`load_kernel`: runner.engine.PteEngine does it through models.layers.load_llama_ops). The reference and the
-kernel agree to float32 rounding; only the kernel's bits are call-independent, and only the kernel runs in a .pte.
+tracing) and its ExecuTorch kernel (exact_sdpa.cpp), compiled on first use by native.compiler and registered with
+this process's runtime by `load_kernel` (runner.engine.PteEngine does it through models.layers.load_llama_ops).
+This module holds the op's definition and that registration only; finding a compiler and building the library is
+native.compiler's. The reference and the kernel agree to float32 rounding; only the kernel's bits are
+call-independent, and only the kernel runs in a .pte.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import importlib.util
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch.library import Library
 
+from native.compiler import kernel_library
+
 SOURCE = Path(__file__).with_name("exact_sdpa.cpp")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17",
-         "-DET_USE_THREADPOOL")
 
 _lib = Library("eagle3", "FRAGMENT")
 _lib.define("exact_sdpa(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, int window, float scale) -> Tensor")
@@ -61,39 +56,6 @@ _lib.impl("exact_sdpa.out", _out, "CompositeExplicitAutograd")
 torch.library.register_fake("eagle3::exact_sdpa")(lambda q, k, v, pos, window, scale: torch.empty_like(q))
 
 
-def _executorch_root() -> Path:
-    return Path(importlib.util.find_spec("executorch").submodule_search_locations[0])
-
-
-def kernel_library() -> Path:
-    """The compiled kernel for this source, these flags and this executorch, built once into the user's
-    cache (written atomically: a crash leaves no half-written library)."""
-    et = _executorch_root()
-    torch_include = Path(torch.__file__).parent / "include"
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + str(et).encode()
-                         + (et / "version.py").read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3-pipeline"
-    path = cache / f"libexact_sdpa-{key}.so"
-    if path.is_file():
-        return path
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("models.exact_sdpa: building the exact-mode attention kernel needs a C++ compiler "
-                           "(g++ or $CXX); none was found on PATH")
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = Path(tmp) / path.name
-        cmd = [compiler, *FLAGS, f"-I{et / 'include'}", f"-I{et / 'include/executorch/runtime/core/portable_type/c10'}",
-               f"-idirafter{torch_include}", str(SOURCE), f"-L{et / 'lib'}", "-lexecutorch",
-               "-lexecutorch_threadpool", f"-Wl,-rpath,{et / 'lib'}", "-o", str(built)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"models.exact_sdpa: compiling {SOURCE.name} failed ({' '.join(cmd)}):\n"
-                               f"{done.stderr[-3000:]}")
-        built.replace(path)
-    return path
-
-
 _loaded: ctypes.CDLL | None = None
 
 
@@ -101,4 +63,4 @@ def load_kernel() -> None:
     """Register eagle3::exact_sdpa.out with this process's ExecuTorch runtime (once)."""
     global _loaded
     if _loaded is None:
-        _loaded = ctypes.CDLL(str(kernel_library()), mode=ctypes.RTLD_GLOBAL)
+        _loaded = ctypes.CDLL(str(kernel_library(SOURCE)), mode=ctypes.RTLD_GLOBAL)

@@ -36,7 +36,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline import distributed, hardware, stages, tracking
+from pipeline import distributed, hardware, stages, tracking, tracking_queue
 from pipeline.sweep import RESULT_FILE
 from pipeline.store import Artifact, Store, cache_key, check_artifact, corrupt_message, git_commit
 from pipeline.validate import ConfigError, check_config, check_prompts_with_target
@@ -179,7 +179,7 @@ class Job:
             self.help(mods, keys)
             return {}
         commit = git_commit(Path(__file__).parent)
-        tracking.sync(self.tracker)  # what earlier jobs could not send: their runs end as they ended
+        tracking_queue.sync(self.tracker)  # what earlier jobs could not send: their runs end as they ended
         tracking.close_stale_runs(self.tracker)  # left RUNNING by a job that was killed (SIGKILL) before this one
         parent = tracking.sweep_parent(self.tracker, self.sweep_dir) if self.sweep_dir else None
         name = f"job {self.job_num}: {' '.join(self.overrides)}" if self.sweep_dir else \

@@ -9,8 +9,8 @@ internals can change without breaking its consumers.
   vocab size, dtype, end token ids, shard files per split) and safetensors shards holding TAPS_FIELDS;
 - export: the program file PTE.
 
-`load_engine(cfg, upstream)` reads them as the runtime runs them (`runtime.engine`): the eval and serve
-stages load their engine through it.
+`load_engine(cfg, upstream)` builds the engine the `engine` group names (conf/engine/<kind>.yaml) over them,
+through the one engine factory (runner.build.build_engine): the eval and serve stages load their engine here.
 """
 
 from __future__ import annotations
@@ -49,50 +49,24 @@ def load_taps(path, split: str) -> dict[str, torch.Tensor]:
     return out
 
 
-ENGINES = ("pte", "eager", "cuda")
-CUDA_QUANTS = ("none", "int4", "int4_g128")  # runtime.cuda_quant: the keys of runner.cuda_engine.QUANTS
-CUDA_COMPILES = ("none", "inductor")  # runtime.cuda_compile: the dense cuda engine's widths through torch.compile
-
-
 def engine_upstream(cfg) -> tuple[str, ...]:
-    """The artifacts `load_engine` reads: the CUDA engine runs the target and draft artifacts themselves, in
-    the windows export.* fixes (no .pte); the other engines the export artifact (eager: for its windows)."""
-    return ("target", "draft") if cfg.runtime.get("engine") == "cuda" else ("target", "draft", "export")
+    """The artifacts `load_engine` reads: the CUDA engine runs the target and draft artifacts themselves, in its
+    own windows (engine.max_m etc.: no .pte); the other engines the export artifact too (eager: for its windows)."""
+    return ("target", "draft") if cfg.engine.kind == "cuda" else ("target", "draft", "export")
 
 
 def load_engine(cfg, upstream: dict):
-    """The runner.engine.Engine that `runtime.engine` names, over the upstream artifacts, in exact mode when
-    `runtime.exact` (resolved by pipeline.hardware) says so: the CUDA engine runs it itself, the others
-    through runner.engine.ExactEngine. The CUDA engine's weights are `runtime.cuda_quant`'s, never
-    `export.quant`'s (that one is the .pte's)."""
-    from runner.engine import EagerEngine, ExactEngine, PteEngine
+    """The engine `cfg.engine` configures (its `auto` values resolved by pipeline.hardware), over the upstream
+    artifacts, built by runner.build.build_engine: the options are the engine group's keys, as they are for
+    `python -m runner` and `python -m runner.serve`. No export.* key reaches it: the .pte and eager engines
+    read their windows off the exported program, the CUDA engine has its own."""
+    from omegaconf import OmegaConf
 
-    rt = cfg.runtime
-    engine = str(rt.engine)  # pipeline.validate refused any other, and cuda without a CUDA device
-    if engine not in ENGINES:
-        raise ValueError(f"runtime.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if rt.get("exact") == "auto" or (rt.get("exact") and rt.get("exact_width") == "auto"):
-        raise ValueError(f"runtime.exact={rt.get('exact')!r}, runtime.exact_width={rt.get('exact_width')!r}: "
-                         "resolve `auto` first (pipeline.hardware.resolve)")
-    if engine == "cuda":
-        from pipeline.export_pte import windows
-        from runner.cuda_engine import load_cuda_engine
+    from runner.build import build_engine
 
-        compile = str(rt.get("cuda_compile", "none"))
-        if compile not in CUDA_COMPILES:
-            raise ValueError(f"runtime.cuda_compile must be one of {', '.join(CUDA_COMPILES)}, got {compile!r}")
-        return load_cuda_engine(upstream["target"].path, upstream["draft"].path, windows=windows(cfg.export),
-                                device=rt.get("device") or "cuda", quant=str(rt.get("cuda_quant", "none")),
-                                exact=bool(rt.exact), compile=compile)
-    pte = PteEngine(pte_path(upstream["export"]), verified=True,  # the store re-hashed the artifact's files
-                    tokenizer=Path(upstream["target"].path) / "tokenizer.json")
-    if engine == "eager":
-        from models import Speculator, load_speculators, load_target
-
-        target = load_target(upstream["target"].path)
-        m = pte.meta  # the same windows as the exported program
-        pte = EagerEngine(Speculator(target, load_speculators(upstream["draft"].path, target)), max_m=m["max_m"],
-                          default_chain=m["default_chain"], max_prefill_chunk=m["max_prefill_chunk"],
-                          min_prefill_chunk=m["min_prefill_chunk"], device=rt.get("device") or "cpu",
-                          manifest_hash=m["manifest_hash"])
-    return ExactEngine(pte, int(rt.exact_width)) if rt.get("exact") else pte
+    target = Path(upstream["target"].path)
+    export = upstream.get("export")
+    return build_engine(OmegaConf.to_container(cfg.engine, resolve=True), target=target,
+                        draft=Path(upstream["draft"].path), tokenizer=target / "tokenizer.json",
+                        pte=pte_path(export) if export is not None else None,
+                        verified=True)  # the store re-hashed the artifact's files

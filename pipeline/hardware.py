@@ -12,13 +12,16 @@ fp32 GEMM takes 7 rows a pass on AVX-512 and 6 on AVX2, its 8da4w GEMM 8 and 3):
   barrier waits for the thread whose core the neighbour holds), and no wait policy fixes both cases (libgomp's
   default spin-then-sleep is the one that lets one thread run clean once the count drops; PASSIVE halves a
   quiet machine's speed, ACTIVE keeps the idle thread spinning; `bench/lab/omp_wait.py`).
-- `runtime.exact: auto`: exact mode (runner.engine.ExactEngine) where a row's rounding can flip a token (the
-  CUDA engine, an int4 .pte target), and `runtime.exact_width: auto` its call width, the GEMM's row tile.
+- `engine.exact: auto`: exact mode (runner.engine.ExactEngine) where a row's rounding can flip a token (the
+  CUDA engine, an int4 .pte target), and `engine.exact_width: auto` its call width, the GEMM's row tile.
 - `export.default_chain: auto`: the default K at most DEFAULT_CHAIN (6) and, on XNNPACK, at most the rows its GEMM takes in
   one pass for the target's weights on this CPU minus one (`row_tile`), so the default window T = K+1 does
-  not read the weights twice. max_m itself stays 8 everywhere: one .pte serves K = 1..7 on every machine, a
-  wider range costs the narrower windows nothing, and the adaptive policy knows each window's measured cost
+  not read the weights twice. It depends on export.* and this machine alone: no engine setting moves an export
+  key. max_m itself stays 8 everywhere: one .pte serves K = 1..7 on every machine, a wider range costs the
+  narrower windows nothing, and the adaptive policy knows each window's measured cost
   (runner.generate.measure_window_costs) before it tries one.
+- `engine.default_chain: auto` (engine=cuda, which runs no .pte and has its own windows): min(DEFAULT_CHAIN,
+  engine.max_m - 1), whatever the CPU.
 
 `resolve` turns each `auto` into its value before any cache key is computed: a key and a stage's report hold
 what was used, never `auto`, and an artifact built with `auto` on a bf16 machine is the one an explicit
@@ -327,15 +330,17 @@ def target_row_tile(export_quant: str) -> dict | None:
     return row_tile(target_quant(export_quant))
 
 
-def resolve_default_chain(value, *, max_m: int, backend: str, quant: str, engine: str) -> int:
-    """export.default_chain: an int is kept; `auto` is min(DEFAULT_CHAIN, max_m - 1), and on XNNPACK also at most
-    row tile - 1, so the default window T = K+1 is one pass of the GEMM over the target's weights on this CPU."""
+def resolve_default_chain(value, *, max_m: int, backend: str | None, quant: str | None) -> int:
+    """A default K (export.default_chain; engine.default_chain with backend None): an int is kept; `auto` is
+    min(DEFAULT_CHAIN, max_m - 1), and on XNNPACK also at most row tile - 1, so the default window T = K+1 is one
+    pass of the GEMM over the target's weights on this CPU. Only the export's own keys and this machine decide it,
+    so an export key never depends on which engine runs the program."""
     from pipeline.export_pte import DEFAULT_CHAIN
 
     if value != AUTO:
         return int(value)
     chain = min(DEFAULT_CHAIN, max_m - 1)
-    tile = target_row_tile(quant) if engine != "cuda" and backend == "xnnpack" else None
+    tile = target_row_tile(quant) if backend == "xnnpack" else None
     if tile is not None:
         chain = max(1, min(chain, tile["tile"] - 1))
         log.info("export.default_chain=auto: K=%d (XNNPACK's %s GEMM takes %d rows a pass on this CPU, %s)", chain,
@@ -344,7 +349,7 @@ def resolve_default_chain(value, *, max_m: int, backend: str, quant: str, engine
 
 
 def resolve_exact(value, *, engine: str, quant: str) -> bool:
-    """runtime.exact: a bool is kept; `auto` is on where a row's rounding can flip a greedy token between
+    """engine.exact: a bool is kept; `auto` is on where a row's rounding can flip a greedy token between
     K = 0 and K > 0: the CUDA engine (bf16 or INT4 GEMMs take other paths at other widths) and a .pte whose
     target is int4 (8da4w rounds every linear's input to int8 per row). An fp32 target stays at T = 1 decode,
     where every eval checks losslessness anyway."""
@@ -354,7 +359,7 @@ def resolve_exact(value, *, engine: str, quant: str) -> bool:
 
 
 def resolve_exact_width(value, *, max_m: int, backend: str, quant: str, engine: str) -> int:
-    """runtime.exact_width: an int is kept; `auto` is max_m on the CUDA engine and where no .pte runs, elsewhere
+    """engine.exact_width: an int is kept; `auto` is max_m on the CUDA engine and where no .pte runs, elsewhere
     the rows XNNPACK's GEMM takes in one pass for the target's weights on this CPU (`row_tile`, at least 2, at most
     max_m): the exact K=0 then decodes at about the cost of one row, and K goes up to width - 1."""
     if value != AUTO:
@@ -363,7 +368,7 @@ def resolve_exact_width(value, *, max_m: int, backend: str, quant: str, engine: 
     if tile is None:
         return max_m
     width = max(2, min(max_m, tile["tile"]))
-    log.info("runtime.exact_width=auto: %d rows (XNNPACK's %s GEMM takes %d rows a pass on this CPU, %s)", width,
+    log.info("engine.exact_width=auto: %d rows (XNNPACK's %s GEMM takes %d rows a pass on this CPU, %s)", width,
              "fp32" if target_quant(quant) == "none" else "8da4w", tile["tile"], tile["capability"])
     return width
 
@@ -394,18 +399,22 @@ def resolve(cfg) -> dict:
                     resolved[where] = value
                 train.autocast = value
         ec = cfg.get("export")
-        if ec is not None and ec.get("default_chain") == AUTO:
+        if ec is not None and ec.get("default_chain") == AUTO:  # export.* and this machine alone
             ec.default_chain = resolved["export.default_chain"] = resolve_default_chain(
-                AUTO, max_m=int(ec.max_m), backend=str(ec.backend), quant=str(ec.get("quant", "none")),
-                engine=str(cfg.runtime.engine))
-        rt = cfg.get("runtime")
-        if ec is not None and rt is not None:
-            engine, quant = str(rt.engine), str(ec.get("quant", "none"))
-            if rt.get("exact") == AUTO:
-                rt.exact = resolved["runtime.exact"] = resolve_exact(AUTO, engine=engine, quant=quant)
-            if rt.get("exact") and rt.get("exact_width") == AUTO:
-                rt.exact_width = resolved["runtime.exact_width"] = resolve_exact_width(
-                    AUTO, max_m=int(ec.max_m), backend=str(ec.backend), quant=quant, engine=engine)
+                AUTO, max_m=int(ec.max_m), backend=str(ec.backend), quant=str(ec.get("quant", "none")))
+        eng = cfg.get("engine")
+        if eng is not None:
+            kind = str(eng.kind)
+            if eng.get("default_chain") == AUTO:  # the CUDA engine's own windows: no CPU row tile applies
+                eng.default_chain = resolved["engine.default_chain"] = resolve_default_chain(
+                    AUTO, max_m=int(eng.max_m), backend=None, quant=None)
+            # the .pte and eager engines run the exported program: its target's weights and windows decide
+            quant = str(ec.get("quant", "none")) if ec is not None else "none"
+            if eng.get("exact") == AUTO:
+                eng.exact = resolved["engine.exact"] = resolve_exact(AUTO, engine=kind, quant=quant)
+            if eng.get("exact") and eng.get("exact_width") == AUTO and ec is not None:
+                eng.exact_width = resolved["engine.exact_width"] = resolve_exact_width(
+                    AUTO, max_m=int(ec.max_m), backend=str(ec.backend), quant=quant, engine=kind)
     return resolved
 
 

@@ -38,7 +38,8 @@ degrades instead of failing the job, and loses nothing of what it was asked to w
 - What is still queued when the job ends goes to `<job dir>/tracking_pending.json` (pointed at from
   `<outputs>/.tracking_pending/`); the next job on the same store replays it before it closes stale runs, as
   does `python -m pipeline.tracking sync [--outputs DIR] [JOB_DIR ...]`. So a job that ended ok ends FINISHED
-  with its metrics. Replaying twice sends nothing twice (`send`).
+  with its metrics. Replaying twice sends nothing twice (`send`). The ops, their sending and the pending files
+  live in pipeline.tracking_queue; this module holds the Tracker that queues them and the `sync` command.
 - Bounded waits: SQLite's busy timeout is `PIPELINE_SQLITE_BUSY_S` (2 s; MLflow's own is 20 s) and MLflow's
   HTTP retries/timeout are set to a few seconds (MLFLOW_HTTP_REQUEST_*), each only where the environment does
   not set it.
@@ -55,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -63,7 +63,6 @@ import os
 import socket
 import sqlite3
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -72,20 +71,17 @@ from pathlib import Path
 from filelock import FileLock
 
 from pipeline.store import pid_alive
+from pipeline.tracking_queue import (MUTE, PARENT_TAG, PENDING_FILE, PENDING_TAG, PLACEHOLDER, attempts, describe,
+                                     error_line, is_placeholder, now_ms, pending_files, replay, run_needed, send,
+                                     write_pending)
 
 log = logging.getLogger(__name__)
 
 PARENT_RUN_FILE = ".mlflow_parent_run"
-PENDING_FILE = "tracking_pending.json"  # beside a job's result.json: the writes its tracker could not send
-PENDING_INDEX = ".tracking_pending"  # under the outputs dir: one pointer file per pending file, for `sync`
-PLACEHOLDER = "pending-"  # the id of a run whose create is queued
-PARENT_TAG = "mlflow.parentRunId"
-PENDING_TAG = "pipeline.client_id"  # the placeholder a run was made under: a replayed create finds it again
 # The experiment's kind, as MLflow records it: model training (runs with metrics), not GenAI (traces, judges,
 # prompts). The UI's view is chosen by the page address (ui_command).
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
-BATCH = 100  # MLflow's limit on params per log_batch call
 RETRY_S = 3.0  # per tracking call (PIPELINE_TRACKING_RETRY_S)
 SQLITE_BUSY_S = 2.0  # how long a SQLite statement waits for another process's lock (PIPELINE_SQLITE_BUSY_S)
 PAUSE_S = (5.0, 60.0)  # after a failure: first pause, longest pause
@@ -143,31 +139,6 @@ def ui_command(uri: str, experiment_id: str) -> str:
             f"http://127.0.0.1:{UI_PORT}/#/experiments/{experiment_id}?workflowType=machine_learning")
 
 
-class _Mute(logging.Filter):
-    """Drops the records of the logger it is attached to while this thread is inside a tracking call.
-
-    MLflow's own muting, not models.quiet's: it drops every record, errors too (a failed call is retried and its
-    last exception raised by `_attempts`), and only this thread's, while `quiet.muted` sets a logger's level for
-    the whole process and keeps its errors.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._depth = threading.local()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not getattr(self._depth, "n", 0)
-
-    @contextlib.contextmanager
-    def during(self) -> Iterator[None]:
-        self._depth.n = getattr(self._depth, "n", 0) + 1
-        try:
-            yield
-        finally:
-            self._depth.n -= 1
-
-
-_MUTE = _Mute()
 _busy_s = SQLITE_BUSY_S
 
 
@@ -187,8 +158,8 @@ def _quiet_env() -> None:
     for name in ("alembic", "mlflow.store.db.utils"):  # their INFO on each store open, for the process's life
         logging.getLogger(name).setLevel(logging.WARNING)
     for name in NOISY_LOGGERS:
-        if _MUTE not in logging.getLogger(name).filters:
-            logging.getLogger(name).addFilter(_MUTE)
+        if MUTE not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(MUTE)
 
 
 def _sqlite_busy(conn, cursor, statement, parameters, context, executemany):
@@ -210,81 +181,6 @@ def _check_sqlite(db: Path) -> None:
         con.execute("PRAGMA schema_version").fetchone()
     finally:
         con.close()
-
-
-def _attempts(fn: Callable, budget_s: float):
-    """fn(), tried again after 0.25, 0.5, 1, 1 ... s while within `budget_s`; then its last exception."""
-    deadline = time.monotonic() + budget_s
-    delay = 0.25
-    while True:
-        try:
-            with _MUTE.during():
-                return fn()
-        except Exception:
-            if time.monotonic() + delay >= deadline:
-                raise
-        time.sleep(delay)
-        delay = min(2 * delay, 1.0)
-
-
-def _line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-# --- ops: what a write is, how it is sent, where the unsent ones are kept -------------------------------
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def _is_placeholder(run_id) -> bool:
-    return isinstance(run_id, str) and run_id.startswith(PLACEHOLDER)
-
-
-def _needs(op: dict) -> str | None:
-    """The run that must exist before the op is sent: a create's parent, any other op's run."""
-    return op["tags"].get(PARENT_TAG) if op["op"] == "create" else op["run"]
-
-
-def _what(op: dict) -> str:
-    return {"create": f"start_run {op.get('name')!r}", "end": f"end_run {op.get('status')}",
-            "artifact": f"log_artifact {Path(op.get('path', '')).name}"}.get(op["op"], f"log_{op['op']}")
-
-
-def send(client, experiment_id: str, op: dict, ids: dict[str, str]) -> None:
-    """One op through MlflowClient. Placeholders are mapped through `ids` (a create adds its run). Sending an
-    op twice changes nothing: a create first looks for a run made under its placeholder, MLflow drops a metric
-    equal to one it holds (key, value, timestamp, step), params and tags are set to the same values."""
-    from mlflow.entities import Metric, Param, RunTag
-
-    kind, run = op["op"], ids.get(op["run"], op["run"])
-    if kind == "create":
-        tags = {k: ids.get(v, v) if k == PARENT_TAG else v for k, v in op["tags"].items()}
-        found = client.search_runs([experiment_id], filter_string=f"tags.`{PENDING_TAG}` = '{op['run']}'",
-                                   max_results=1) if op.get("retried") else []
-        op["retried"] = True  # a create tried once may have reached the store though its answer did not
-        ids[op["run"]] = found[0].info.run_id if found else client.create_run(
-            experiment_id, start_time=op["start_time"], tags=tags, run_name=op["name"]).info.run_id
-    elif kind == "params":
-        items = [Param(k, v) for k, v in op["params"].items()]
-        for i in range(0, len(items), BATCH):
-            client.log_batch(run, params=items[i:i + BATCH])
-    elif kind == "metrics":
-        items = [Metric(k, v, ts, step) for k, v, ts, step in op["metrics"]]
-        for i in range(0, len(items), BATCH * 10):
-            client.log_batch(run, metrics=items[i:i + BATCH * 10])
-    elif kind == "tags":
-        client.log_batch(run, tags=[RunTag(k, v) for k, v in op["tags"].items()])
-    elif kind == "artifact":
-        path = Path(op["path"])
-        if not path.exists():
-            log.warning("MLflow: %s is gone; run %s goes without it", path, run)
-            return
-        (client.log_artifacts if path.is_dir() else client.log_artifact)(run, str(path), op["artifact_path"])
-    elif kind == "end":
-        client.set_terminated(run, op["status"], end_time=op["end_time"])
-    else:
-        raise ValueError(f"unknown tracking op {kind!r}")
 
 
 def check_db_dir(db: Path) -> Path:
@@ -309,104 +205,13 @@ def create_db(db: Path) -> None:
     for stale in db.parent.glob(f".{db.name}.*.tmp"):
         stale.unlink(missing_ok=True)
     tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
-    with _MUTE.during():
+    with MUTE.during():
         client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
         client.search_experiments()  # the store (and its schema) is made on first use
     engine = getattr(client._tracking_client.store, "engine", None)
     if engine is not None:
         engine.dispose()
     os.replace(tmp, db)
-
-
-def _index_entry(outputs: Path, pending: Path) -> Path:
-    return Path(outputs) / PENDING_INDEX / (hashlib.sha256(str(pending).encode()).hexdigest()[:20] + ".json")
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
-
-
-def write_pending(directory: Path, tracker: "Tracker") -> Path:
-    """`<directory>/tracking_pending.json`: the tracker's queue, the placeholders it resolved and where to
-    send them (written atomically), plus its pointer under `<outputs>/.tracking_pending/`."""
-    directory.mkdir(parents=True, exist_ok=True)
-    pending = (directory / PENDING_FILE).absolute()
-    _write_json(pending, {"uri": tracker.uri, "experiment": tracker.experiment, "artifact_root": tracker.artifact_root,
-                          "created_at": _now_ms(), "pid": os.getpid(), "ids": tracker._ids, "ops": tracker._queue})
-    if tracker.outputs is not None:
-        try:
-            entry = _index_entry(tracker.outputs, pending)
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            _write_json(entry, {"pending": str(pending)})
-        except OSError as e:
-            log.warning("MLflow: could not note %s under %s (%s): `python -m pipeline.tracking sync %s` replays it",
-                        pending, tracker.outputs / PENDING_INDEX, e, directory)
-    log.warning("MLflow: %d write(s) could not be sent; kept in %s for the next job or `python -m "
-                "pipeline.tracking sync`", len(tracker._queue), pending)
-    return pending
-
-
-def pending_files(outputs: Path) -> list[Path]:
-    """The pending files noted under `<outputs>/.tracking_pending/`, oldest first; stale pointers removed."""
-    found = []
-    for entry in sorted((Path(outputs) / PENDING_INDEX).glob("*.json")):
-        try:
-            pending = Path(json.loads(entry.read_text())["pending"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if pending.is_file():
-            found.append(pending)
-        else:
-            entry.unlink(missing_ok=True)
-    return sorted(found, key=lambda p: p.stat().st_mtime)
-
-
-def replay(tracker: "Tracker", pending: Path) -> int | None:
-    """Send a pending file's ops through `tracker` (which must be open on its uri and experiment), under the
-    file's lock: the file is removed once every op went, else rewritten with what is left. Returns the
-    number of ops left (0: done), or None when the file is not for this tracker."""
-    pending = Path(pending)
-    with FileLock(str(pending) + ".lock"):
-        try:
-            data = json.loads(pending.read_text())
-        except FileNotFoundError:
-            return 0  # another process replayed it
-        if (data.get("uri"), data.get("experiment")) != (tracker.uri, tracker.experiment):
-            return None
-        ops, ids = data["ops"], data.get("ids", {})
-        done = 0
-        for op in ops:
-            try:
-                _attempts(lambda: send(tracker.client, tracker.experiment_id, op, ids), tracker.retry_s)  # noqa: B023
-            except Exception as e:
-                log.warning("MLflow: replaying %s stopped at %s (%s: %s); %d op(s) left for a later job", pending,
-                            _what(op), type(e).__name__, _line(e), len(ops) - done)
-                _write_json(pending, {**data, "ids": ids, "ops": ops[done:]})
-                return len(ops) - done
-            if op["op"] == "end":  # a later job may have ended it as KILLED before this replay
-                with contextlib.suppress(Exception):
-                    tracker.client.delete_tag(ids.get(op["run"], op["run"]), "mlflow.note.content")
-            done += 1
-        pending.unlink()
-        if tracker.outputs is not None:
-            _index_entry(tracker.outputs, pending.absolute()).unlink(missing_ok=True)
-    log.info("MLflow: replayed %d write(s) from %s", done, pending)
-    return 0
-
-
-def sync(tracker: "Tracker | NullTracker", extra: list[Path] = ()) -> int:
-    """Replay every pending file noted under the tracker's outputs dir (and `extra` ones) that was written for
-    its store and experiment; returns how many ops are still left. A no-op when tracking is off or the store
-    is not open."""
-    if not tracker.enabled or getattr(tracker, "client", None) is None:
-        return 0
-    left = 0
-    files = ([*pending_files(tracker.outputs)] if tracker.outputs is not None else []) + list(extra)
-    for pending in dict.fromkeys(Path(p).absolute() for p in files):
-        left += replay(tracker, pending) or 0
-    return left
 
 
 def _sync_main(argv: list[str] | None = None) -> int:
@@ -435,7 +240,7 @@ def _sync_main(argv: list[str] | None = None) -> int:
         try:
             tracker = Tracker(uri, experiment, artifact_root, outputs=outputs)
         except Exception as e:
-            print(f"MLflow tracking at {uri} cannot be opened ({type(e).__name__}: {_line(e)}): {len(group)} "
+            print(f"MLflow tracking at {uri} cannot be opened ({type(e).__name__}: {error_line(e)}): {len(group)} "
                   f"pending file(s) left", file=sys.stderr)
             left += len(group)
             continue
@@ -490,7 +295,7 @@ class Tracker:
         with FileLock(str(lock), timeout=OPEN_LOCK_S) if db else contextlib.nullcontext():
             if db is not None and not db.exists():
                 create_db(db)
-            self.client, self.experiment_id = _attempts(lambda: self._open(db, experiment, artifact_root),
+            self.client, self.experiment_id = attempts(lambda: self._open(db, experiment, artifact_root),
                                                         self.retry_s)
 
     def _open(self, db: Path | None, experiment: str, artifact_root: Path | None) -> tuple:
@@ -518,10 +323,10 @@ class Tracker:
     def _failed(self, what: str, channel: str, e: Exception, seconds: float) -> str:
         if self.required:
             raise TrackingError(f"MLflow tracking at {self.uri} failed ({what}): {type(e).__name__}: "
-                                f"{_line(e)} (tracking.required=true makes this fatal)") from e
+                                f"{error_line(e)} (tracking.required=true makes this fatal)") from e
         key = (channel, type(e).__name__, str(getattr(e, "error_code", "")))
         if key not in self._kinds:
-            self._kinds[key] = f"{type(e).__name__}: {_line(e)}"
+            self._kinds[key] = f"{type(e).__name__}: {error_line(e)}"
             log.warning("MLflow tracking at %s: %s failed (%.1f s of tries): %s. Kept for later; later failures "
                         "like it are counted, not logged, and the job goes on (its result.json and metrics.json "
                         "hold every result; what is not sent by the end of the job goes to its %s).", self.uri,
@@ -538,7 +343,7 @@ class Tracker:
             return None
         t0 = time.monotonic()
         try:
-            return _attempts(fn, 0.0 if length else self.retry_s)
+            return attempts(fn, 0.0 if length else self.retry_s)
         except Exception as e:
             self._failed(what, channel, e, time.monotonic() - t0)
             return None
@@ -564,16 +369,16 @@ class Tracker:
         for op in self._queue:
             channel = "artifacts" if op["op"] == "artifact" else "store"
             until, length, kind = self._pause.get(channel, (0.0, 0.0, ""))
-            waiting = _is_placeholder(_needs(op)) and _needs(op) not in self._ids
+            waiting = is_placeholder(run_needed(op)) and run_needed(op) not in self._ids
             if channel in blocked or waiting or (length and time.monotonic() < until and not urgent):
                 kept.append(op)
                 failure = failure or (kind if length else None)
                 continue
             t0 = time.monotonic()
             try:
-                _attempts(lambda: send(self.client, self.experiment_id, op, self._ids), 0.0 if length else self.retry_s)  # noqa: B023
+                attempts(lambda: send(self.client, self.experiment_id, op, self._ids), 0.0 if length else self.retry_s)  # noqa: B023
             except Exception as e:
-                failure = self._failed(_what(op), channel, e, time.monotonic() - t0)
+                failure = self._failed(describe(op), channel, e, time.monotonic() - t0)
                 blocked.add(channel)
                 kept.append(op)
                 continue
@@ -596,7 +401,7 @@ class Tracker:
             tags[PARENT_TAG] = parent
         placeholder = PLACEHOLDER + uuid.uuid4().hex
         tags[PENDING_TAG] = placeholder  # finds the run again should a replayed create have been sent already
-        self._write({"op": "create", "run": placeholder, "name": name, "tags": tags, "start_time": _now_ms()})
+        self._write({"op": "create", "run": placeholder, "name": name, "tags": tags, "start_time": now_ms()})
         if params:
             self.log_params(placeholder, params)
         return self.resolve(placeholder)
@@ -607,7 +412,7 @@ class Tracker:
 
     def log_metrics(self, run_id: str | None, metrics: Mapping[str, float], step: int | None = None) -> None:
         if run_id is not None and metrics:
-            now = _now_ms()
+            now = now_ms()
             self._write({"op": "metrics", "run": run_id,
                          "metrics": [[k, float(v), now, step or 0] for k, v in metrics.items()]})
 
@@ -624,7 +429,7 @@ class Tracker:
         """End a run; False when the end is queued (it is sent once the store answers, or replayed)."""
         if run_id is None:
             return False
-        return self._write({"op": "end", "run": run_id, "status": status, "end_time": _now_ms()}, urgent=True)
+        return self._write({"op": "end", "run": run_id, "status": status, "end_time": now_ms()}, urgent=True)
 
     def children(self, parent_id: str) -> list:
         """Direct child runs of a run (used by tests and the sweep summary)."""
@@ -718,7 +523,7 @@ def open_tracker(tracking_cfg: Mapping, outputs: Path) -> Tracker | NullTracker:
     try:
         return Tracker(uri, experiment, artifact_root, required=required, outputs=outputs)
     except Exception as e:
-        error = f"{type(e).__name__}: {_line(e)}"
+        error = f"{type(e).__name__}: {error_line(e)}"
         if required:
             raise TrackingError(f"MLflow tracking at {uri} cannot be opened ({error}); tracking.required=true "
                                 "makes this fatal") from e
@@ -767,7 +572,7 @@ def sweep_parent(tracker: Tracker | NullTracker, sweep_dir: Path, tags: Mapping 
             return id_file.read_text().strip()
         run_id = tracker.start_run(f"sweep {sweep_dir.name}",
                                    tags={"sweep_dir": str(sweep_dir.absolute()), **(tags or {})})
-        if not _is_placeholder(run_id):  # a queued create: the next job of the sweep tries again
+        if not is_placeholder(run_id):  # a queued create: the next job of the sweep tries again
             id_file.write_text(run_id)
         return run_id
 

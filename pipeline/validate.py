@@ -15,6 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from models.choices import CUDA_COMPILES, CUDA_QUANTS, ENGINES, POLICIES
 from models.text import read_prompt_file
 
 log = logging.getLogger(__name__)
@@ -170,8 +171,8 @@ def _check_lengths(c: _Checker) -> None:
     byte-fallback vocabulary) do not clear the budget. Exact mode's padding rows take exact_width - 1
     positions of the cache (runner.engine.ExactEngine), which a prompt then cannot use."""
     max_seq_len, source = known_max_seq_len(c)
-    width = c.get("runtime.exact_width")
-    if max_seq_len is not None and c.get("runtime.exact") is True and _is_int(width) and width > 1:
+    width = exact_width(c)
+    if max_seq_len is not None and width is not None:
         max_seq_len, source = max_seq_len - (width - 1), f"{source} less exact mode's {width - 1} padding positions"
     prompt_len, max_new = c.get("runtime.prompt_len"), c.get("runtime.max_new_tokens")
     if max_seq_len is None or not (_is_int(prompt_len) and _is_int(max_new)):
@@ -224,6 +225,61 @@ def check_prompts_with_target(cfg: DictConfig, target_dir: Path) -> None:
                       max_new_tokens=int(rt.max_new_tokens), max_seq_len=max_seq_len,
                       source=f"max_seq_len={max_seq_len} of the target {target_dir}",
                       policy=str(rt.get("prompts_too_long") or "error"))
+
+
+def exact_width(c: _Checker) -> int | None:
+    """The rows of every target call in exact mode (engine.exact=true), as far as the config tells: the cuda
+    engine's max_m, the other engines' engine.exact_width; None when off or not yet known."""
+    if c.get("engine.exact") is not True:
+        return None
+    width = c.get("engine.max_m") if c.get("engine.kind") == "cuda" else c.get("engine.exact_width")
+    return width if _is_int(width) and width >= 2 else None
+
+
+def _check_engine(c: _Checker, export_max_m: int | None) -> int | None:
+    """engine.* (conf/engine/<kind>.yaml): the kind, exact mode and, on the cuda engine, its weights, compilation,
+    device and call windows (its own: it runs no .pte). -> the engine's max_m, the widest verify call: the cuda
+    engine's own, export.max_m for the engines that run the exported program; None where it is not valid."""
+    kind = c.get("engine.kind")
+    c.choice("engine.kind", ENGINES)
+    c.choice("engine.exact", (True, False, "auto"))
+    if kind != "cuda":
+        if kind == "eager" and str(c.get("engine.device")).split(":")[0] not in ("cpu", "cuda"):
+            c.fail("engine.device", c.get("engine.device"), "a torch device: cpu, cuda or cuda:N")
+        width = c.get("engine.exact_width")
+        if width != "auto" and export_max_m is not None:
+            c.int_in("engine.exact_width", 2, export_max_m)
+        return export_max_m
+
+    from kernels.rule import SMALL_M_LIMIT
+
+    c.choice("engine.quant", tuple(CUDA_QUANTS))
+    c.choice("engine.compile", CUDA_COMPILES)
+    if c.get("engine.compile") == "inductor" and c.get("engine.quant") != "none":
+        c.fail("engine.compile", "inductor", f"none with engine.quant={c.get('engine.quant')} (inductor compiles "
+               "the dense bf16 engine; the INT4 kernels are fused already)")
+    if not isinstance(c.get("engine.device"), str) or c.get("engine.device").split(":")[0] != "cuda":
+        c.fail("engine.device", c.get("engine.device"), "a CUDA device: cuda or cuda:N")
+    import torch
+
+    if not torch.cuda.is_available():
+        c.fail("engine", "cuda", "pte or eager on a machine where torch sees no CUDA device")
+    max_m = c.get("engine.max_m") if c.int_in("engine.max_m", 2, SMALL_M_LIMIT) else None
+    if max_m is None:
+        return None
+    if c.get("engine.default_chain") != "auto":
+        c.int_in("engine.default_chain", 1, max_m - 1)
+    if c.int_in("engine.max_prefill_chunk", 1) and c.int_in("engine.min_prefill_chunk", 1, nullable=True):
+        lo, hi = c.get("engine.min_prefill_chunk"), c.get("engine.max_prefill_chunk")
+        if lo is not None and lo <= max_m:  # kernels.rule.use_small_m: a prefill of M <= max_m rows takes other kernels
+            c.fail("engine.min_prefill_chunk", lo, f"null or above engine.max_m={max_m} (a prefill range may not "
+                   "straddle the dispatch threshold max_m)")
+        lo = max_m + 1 if lo is None else lo
+        max_seq_len = c.get("target.max_seq_len")
+        if hi < lo or (_is_int(max_seq_len) and hi > max_seq_len):
+            c.fail("engine.max_prefill_chunk", hi, f"an int in [{lo}, {max_seq_len if _is_int(max_seq_len) else 'inf'}]"
+                   " (engine.min_prefill_chunk .. target.max_seq_len)")
+    return max_m
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -294,34 +350,16 @@ def check_config(cfg: DictConfig) -> None:
         except ValueError as e:
             c.problems.append(str(e))
 
+    engine_max_m = _check_engine(c, max_m)
     rt = "runtime"
-    if max_m is not None:
-        c.int_in(f"{rt}.chain", 0, max_m - 1, nullable=True)  # 0 = the greedy baseline only
-    c.choice(f"{rt}.policy", ("static", "adaptive"))
-    from pipeline.artifacts import CUDA_COMPILES, CUDA_QUANTS, ENGINES
-
-    c.choice(f"{rt}.engine", ENGINES)
-    c.choice(f"{rt}.cuda_quant", CUDA_QUANTS)
-    c.choice(f"{rt}.cuda_compile", CUDA_COMPILES)
-    if c.get(f"{rt}.cuda_compile") == "inductor" and c.get(f"{rt}.cuda_quant") not in ("none", None):
-        c.fail(f"{rt}.cuda_compile", c.get(f"{rt}.cuda_compile"), f"none with runtime.cuda_quant="
-               f"{c.get(f'{rt}.cuda_quant')} (inductor compiles the dense bf16 engine; the INT4 kernels are fused "
-               "already)")
-    if c.get(f"{rt}.engine") == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            c.fail(f"{rt}.engine", "cuda", "pte or eager on a machine where torch sees no CUDA device")
-    c.choice(f"{rt}.exact", (True, False, "auto"))
-    width = c.get(f"{rt}.exact_width")
-    if width != "auto" and max_m is not None and c.int_in(f"{rt}.exact_width", 2, max_m):
-        if c.get(f"{rt}.engine") == "cuda" and width != max_m:
-            c.fail(f"{rt}.exact_width", width, f"auto or export.max_m={max_m} on the cuda engine (its captured "
-                   "graphs are the max_m-row calls)")
-        chain = c.get(f"{rt}.chain")
-        if c.get(f"{rt}.exact") is True and isinstance(chain, int) and chain > width - 1:
-            c.fail(f"{rt}.chain", chain, f"at most runtime.exact_width - 1 = {width - 1} in exact mode (a round "
-                   "verifies K+1 rows in one call of exact_width rows), or a larger runtime.exact_width")
+    # 0 = the greedy baseline only
+    chain_ok = engine_max_m is not None and c.int_in(f"{rt}.chain", 0, engine_max_m - 1, nullable=True)
+    c.choice(f"{rt}.policy", POLICIES)
+    width = exact_width(c)
+    chain = c.get(f"{rt}.chain")
+    if chain_ok and width is not None and _is_int(chain) and chain > width - 1:
+        c.fail(f"{rt}.chain", chain, f"at most engine.exact_width - 1 = {width - 1} in exact mode (a round verifies "
+               "K+1 rows in one call of exact_width rows), or a larger engine.exact_width")
     c.number_in(f"{rt}.temperature", 0.0)
     c.int_in(f"{rt}.max_new_tokens", 1)
     c.int_in(f"{rt}.seed", 0)

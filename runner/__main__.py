@@ -1,8 +1,13 @@
-"""`python -m runner`: text from a .pte, for people who have one and want to see it speculate.
+"""`python -m runner`: text from a .pte (or its artifacts on another engine), to see it speculate.
 
     python -m runner --pte model.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4
     python -m runner --pte model.pte --tokenizer tokenizer.json --prompt-file prompts.txt --chain 0
     python -m runner --pte int4.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4 --exact-width 8
+    python -m runner --engine cuda --target TARGET_DIR --draft DRAFT_DIR --tokenizer TARGET_DIR/tokenizer.json \
+        --max-m 8 --max-prefill-chunk 128 --prompt "def main(" --chain 4
+
+The engine is built by runner.build from the flags that name its options (`--engine` pte, eager or cuda: the
+keys of conf/engine/<kind>.yaml).
 
 A .pte with the export artifact's manifest.json beside it is checked against the sha256 recorded there
 and refused (exit 2) when it differs; one without a manifest runs with a warning that it is unchecked. Every
@@ -16,11 +21,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from models.choices import POLICIES
 from models.text import read_prompt_file, stop_ids
 from runner import cli
-from runner.engine import ExactEngine, set_threads
+from runner.build import add_engine_arguments, build_engine, engine_options
+from runner.engine import set_threads
 from runner.generate import generate
-from runner.policy import POLICIES
 
 
 def report(res, tokenizer) -> str:
@@ -43,7 +49,7 @@ def round_table(res) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = cli.Parser(prog="python -m runner", description=__doc__.split("\n")[0])
-    p.add_argument("--pte", required=True, type=Path)
+    add_engine_arguments(p)
     p.add_argument("--tokenizer", required=True, type=Path, help="tokenizer.json (the target stage's)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
@@ -55,19 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=cli.number(0.0), default=0.0)
     p.add_argument("--seed", type=cli.integer(0), default=0)
     p.add_argument("--stop", nargs="*", default=[], help="extra stop tokens (strings or ids)")
-    p.add_argument("--exact-width", type=cli.integer(2), default=None, metavar="W",
-                   help="exact mode (runtime.exact_width): every target call W rows, a row's bits independent of its "
-                        "call, so every K gives K=0's tokens bit for bit (an int4 .pte); W in [2, max_m], K <= W-1")
     p.add_argument("--rounds", action="store_true", help="print K, accepted, emitted and timings of every round")
     p.add_argument("--threads", type=cli.integer(1), default=None,
                    help="the runtime's CPU threads (default: the cores this process may use)")
     args = p.parse_args(argv)
+    try:
+        options = engine_options(args)
+    except ValueError as e:
+        p.error(str(e))
 
     set_threads(args.threads)
     # first: a file that is no program, differs from its manifest or does not fit the tokenizer is refused
-    engine = cli.load_pte(args.pte, args.tokenizer)
-    if args.exact_width is not None:
-        engine = ExactEngine(engine, args.exact_width)
+    engine = build_engine(options, pte=args.pte, tokenizer=args.tokenizer, target=args.target, draft=args.draft)
     tokenizer = cli.load_tokenizer(args.tokenizer)
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     stops = stop_ids(tokenizer, args.stop)

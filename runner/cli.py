@@ -82,9 +82,10 @@ def load_tokenizer(path: Path):
         raise ValueError(f"{path} is not a tokenizer.json that tokenizers reads ({e})") from None
 
 
-def load_pte(path: Path, tokenizer: Path | None = None):
+def load_pte(path: Path, tokenizer: Path | None = None, *, verified: bool = False):
     """runner.engine.PteEngine over `path`, then `tokenizer` checked against it (runner.engine.check_tokenizer),
-    in that order: the .pte's own refusals come first. A program the runtime cannot load (a truncated or
+    in that order: the .pte's own refusals come first. `verified`: the caller (the store) has re-hashed the file
+    against its manifest, so it is not hashed again. A program the runtime cannot load (a truncated or
     damaged file: a RuntimeError after a native message on stderr) is refused in one line carrying the message,
     and so is a tokenizer file that is missing or unreadable."""
     from runner.engine import PteEngine, check_tokenizer
@@ -94,7 +95,7 @@ def load_pte(path: Path, tokenizer: Path | None = None):
     native: list[str] = []
     try:
         with held_stderr(native):
-            engine = PteEngine(path)
+            engine = PteEngine(path, verified=verified)
     except RuntimeError as e:
         said = "; ".join([*(NATIVE_LINE.sub("", line) for line in native), str(e)])
         raise ValueError(f"{path} is not a program the ExecuTorch runtime can load ({said}): a truncated or "

@@ -11,7 +11,9 @@ it gains from INT4 as the target does.
 INT4: the weights are quantised as loaded (float32 from the loaders: a GGUF's dequantised values) and only
 then cast, because kernels.int4_gemm.quantize_int4 keeps a GGUF's 4-bit blocks exactly only where it sees
 them unrounded; bf16 rounding hides the grid and every block is quantised again. `dense` names linears kept
-in bf16: at group 32 with a bf16 lm_head the INT4 target stays closest to the file (docs/results.md).
+in bf16: at group 32 with a bf16 lm_head the INT4 target stays closest to the file (docs/results.md). The
+config's schemes (`engine.quant`) are these options under their names (models.choices.CUDA_QUANTS), and
+runner.build builds this engine from the target and draft artifacts.
 
 Then one graph is captured per call shape the loop makes: target_decode at T = 1, target_verify at every
 T in [2, max_m], draft_decode at every T in [1, max_m] (seeding after a round takes a+1 <= max_m rows).
@@ -40,7 +42,7 @@ position, which a later call rewrites before any query can see them; the engine 
 positions (`meta["max_seq_len"]`) so that they stay inside the cache. The price is K=0's decode at width max_m
 (and its taps). exact=False decodes at T = 1 and verifies at T = K+1.
 
-Compile (`compile="inductor"`, `runtime.cuda_compile`): the dense engine's per-width calls go through
+Compile (`compile="inductor"`, `engine.compile`): the dense engine's per-width calls go through
 `torch.compile` before capture, so each graph replays inductor's fused kernels instead of ~40 unfused ops a
 layer; the compilation (a handful of graphs whatever max_m: `compiled`) is paid at load. Exact mode holds as
 it does without: every call of a width runs the same compiled graph. The draft's compiled rounds accept as
@@ -281,26 +283,3 @@ class CudaEngine(Engine):
 
     def reset(self) -> None:
         self.spec.reset()
-
-
-# runtime.cuda_quant -> the INT4 kernels' options (None: bf16 weights). On both real targets (docs/results.md,
-# "GPU: the real targets") `int4` keeps the GGUF's 4-bit blocks (group 32) and the lm_head in bf16, within
-# 0.002 (SmolLM2's Q4_1) and 0.15 nats (Gemma 3's Q4_K_M, part 6-bit) of the file; `int4_g128` quantises the
-# lm_head too, at group 128: a faster K = 0 (by 12-18%), 0.13-0.85 nats from the file.
-QUANTS = {"none": None, "int4": dict(group=32, dense=("lm_head",)), "int4_g128": dict(group=128, dense=())}
-
-
-def load_cuda_engine(target_dir, draft_dir, *, windows: dict, device: str = "cuda", quant: str = "none",
-                     exact: bool = True, compile: str = "none") -> CudaEngine:
-    """A CudaEngine over a target and a draft artifact (their directories) in the call windows `windows`
-    (max_m, default_chain, max_prefill_chunk, min_prefill_chunk: pipeline.export_pte.windows of the export
-    config, the ones a .pte would be lowered for), its weights as `quant` (QUANTS) says. The eval and serve
-    stages and `python -m runner.serve --engine cuda` build it here."""
-    from models import load_speculators, load_target
-
-    if quant not in QUANTS:
-        raise ValueError(f"runtime.cuda_quant must be one of {', '.join(QUANTS)}, got {quant!r}")
-    target = load_target(target_dir)
-    kernels = QUANTS[quant] or {}
-    return CudaEngine(Speculator(target, load_speculators(draft_dir, target)), **windows, device=device,
-                      kernels=bool(kernels), **kernels, exact=exact, compile=compile)

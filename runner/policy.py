@@ -1,16 +1,15 @@
 """Chain-length policies: how many proposals K each round drafts.
 
 `static` drafts K every round; `adaptive` (`AdaptiveChain`) picks each round's K from the acceptance seen so far
-and the measured verify and draft costs. POLICIES is the one list of their names: the loop, the CLI and the server
-read it. The expected tokens per round of a chain, `predicted_tau`, is a fact of the draft's per-position
-acceptance and lives in models.draft, where the draft stage also reads it.
+and the measured verify and draft costs. Their names are models.choices.POLICIES, which the loop, the command
+lines, the server and the config's validation read. The expected tokens per round of a chain, `predicted_tau`, is
+a fact of the draft's per-position acceptance and lives in models.draft, where the draft stage also reads it.
 """
 
 from __future__ import annotations
 
+from models.choices import POLICIES  # noqa: F401  (runner.generate reads the names from here)
 from models.draft import predicted_tau
-
-POLICIES = ("static", "adaptive")
 
 
 class StaticChain:

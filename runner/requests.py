@@ -29,7 +29,7 @@ import reprlib
 import secrets
 from dataclasses import dataclass
 
-from runner.policy import POLICIES
+from models.choices import POLICIES
 
 MAX_STOPS = 4  # OpenAI's limit on `stop`
 MAX_TEMPERATURE = 2.0  # OpenAI's range of `temperature`

@@ -90,10 +90,10 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from models.text import stop_ids
+from models.choices import POLICIES
 from runner import cli
-from runner.cuda_engine import QUANTS
+from runner.build import add_engine_arguments, build_engine, engine_options
 from runner.generate import GenerationResult, generate
-from runner.policy import POLICIES
 from runner.requests import (MAX_SEED, MAX_TEMPERATURE, GenerationRequest, Limits, RequestError, check_chat_template,
                              check_fits, check_ids, check_text_fits, encoder, parse_body, parse_request, prompt_ids,
                              quote, utf8_len)
@@ -908,11 +908,7 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, *, drain_s: float
 
 def main(argv: list[str] | None = None) -> int:
     p = cli.Parser(prog="python -m runner.serve", description=__doc__.split("\n")[0])
-    p.add_argument("--engine", choices=("pte", "cuda"), default="pte")
-    p.add_argument("--pte", type=Path, help="the .pte (--engine pte)")
-    p.add_argument("--exact-width", type=cli.integer(2), default=None, metavar="W",
-                   help="--engine pte: exact mode (runtime.exact_width), every target call W rows, every K gives "
-                        "K=0's tokens bit for bit; W in [2, max_m]")
+    add_engine_arguments(p)
     p.add_argument("--tokenizer", required=True, type=Path, help="tokenizer.json (the target artifact's)")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template; default: chat_template.jinja "
                    "beside the tokenizer, if there is one")
@@ -947,29 +943,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="the longest request line (else 414)")
     p.add_argument("--max-header-bytes", type=cli.integer(64), default=Settings.max_header_bytes,
                    help="the longest request head (else 431)")
-    cuda = p.add_argument_group("--engine cuda: the target and draft artifacts, in the export's call windows")
-    cuda.add_argument("--target", type=Path)
-    cuda.add_argument("--draft", type=Path)
-    cuda.add_argument("--max-m", type=cli.integer(2))
-    cuda.add_argument("--max-prefill-chunk", type=cli.integer(1))
-    cuda.add_argument("--min-prefill-chunk", type=cli.integer(1))
-    cuda.add_argument("--device", default="cuda")
-    cuda.add_argument("--quant", choices=tuple(QUANTS), default="none",
-                      help="the weights: bf16, or the INT4 GPU kernels (runtime.cuda_quant; runner.cuda_engine.QUANTS)")
-    cuda.add_argument("--no-exact", dest="exact", action="store_false", help="decode at T=1 (runtime.exact=false)")
-    cuda.add_argument("--compile", choices=("none", "inductor"), default="none",
-                      help="torch.compile the dense engine's calls before capture (runtime.cuda_compile)")
     args = p.parse_args(argv)
-    if args.engine == "pte" and args.pte is None:
-        p.error("--engine pte needs --pte")
-    missing = [f"--{k.replace('_', '-')}" for k in ("target", "draft", "max_m", "max_prefill_chunk", "chain")
-               if getattr(args, k) is None]
-    if args.engine == "cuda" and missing:
-        p.error(f"--engine cuda needs {' '.join(missing)}")
+    try:
+        options = engine_options(args)
+    except ValueError as e:
+        p.error(str(e))
 
     from models.text import load_chat_template
 
-    model = args.model_name or str(args.pte if args.engine == "pte" else args.draft)
+    model = args.model_name or str(args.draft if args.engine == "cuda" else args.pte)
     settings = Settings(model=model, chain=args.chain, policy=args.policy, temperature=args.temperature,
                         seed=args.seed, stop=tuple(args.stop), api_key=args.api_key or None,
                         queue_size=args.queue_size, max_body_bytes=args.max_body_bytes,
@@ -985,20 +967,12 @@ def main(argv: list[str] | None = None) -> int:
         template = (cli.read_text(args.chat_template, "chat template") if args.chat_template
                     else load_chat_template(args.tokenizer.parent))
         check_chat_template(encoder(tokenizer, template))
-        if args.engine == "pte":
-            from runner.engine import ExactEngine, set_threads
+        if args.engine != "cuda":
+            from runner.engine import set_threads
 
             set_threads(args.threads)
-            engine = cli.load_pte(args.pte, args.tokenizer)  # first: a .pte unlike its manifest is refused
-            if args.exact_width is not None:
-                engine = ExactEngine(engine, args.exact_width)
-        else:
-            from runner.cuda_engine import load_cuda_engine
-
-            windows = dict(max_m=args.max_m, default_chain=args.chain, max_prefill_chunk=args.max_prefill_chunk,
-                           min_prefill_chunk=args.min_prefill_chunk or args.max_m + 1)
-            engine = load_cuda_engine(args.target, args.draft, windows=windows, device=args.device,
-                                      quant=args.quant, exact=args.exact, compile=args.compile)
+        # first: a .pte unlike its manifest or its tokenizer is refused
+        engine = build_engine(options, pte=args.pte, tokenizer=args.tokenizer, target=args.target, draft=args.draft)
         app = create_app(engine, tokenizer, settings, chat_template=template)
         warm_up(engine, args.chain)
     except BaseException:

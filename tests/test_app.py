@@ -112,6 +112,17 @@ def test_runtime_chain_does_not_change_the_export_key():
     assert export_key("runtime.chain=1") == export_key("runtime.chain=4") == export_key()
 
 
+def test_the_engine_group_does_not_change_the_export_key(monkeypatch):
+    """export.* alone configures the export: neither the engine chosen nor any of its options moves the export key,
+    also where `export.default_chain=auto` is resolved from this CPU's row tile (pinned here at 4: K = 3)."""
+    monkeypatch.setattr(hardware, "row_tile", lambda quant: {"tile": 4, "capability": "pinned by the test"})
+    keys = {export_key(*overrides) for overrides in (
+        (), ("engine=eager",), ("engine=cuda",), ("engine=cuda", "engine.max_m=4", "engine.default_chain=2"),
+        ("engine=cuda", "engine.quant=int4", "engine.exact=false"), ("engine.exact=true", "engine.exact_width=4"))}
+    assert len(keys) == 1
+    assert compose_cfg().export.default_chain == compose_cfg("engine=cuda").export.default_chain == 3
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_autocast_keys_as_the_dtype_this_machine_computes_natively(monkeypatch, native):
     """auto resolves to bfloat16 where the device has native bf16 and to fp32 (null) elsewhere, and the key
@@ -139,8 +150,9 @@ def test_auto_default_chain_keeps_the_default_window_in_one_gemm_pass(monkeypatc
     cfg = compose_cfg(f"export.quant={quant}")
     assert cfg.export.default_chain == chain
     assert export_key(f"export.quant={quant}") == export_key(f"export.quant={quant}", f"export.default_chain={chain}")
-    # the CUDA engine exports nothing: its default K is min(DEFAULT_CHAIN, max_m - 1) whatever the CPU
-    assert compose_cfg(f"export.quant={quant}", "runtime.engine=cuda").export.default_chain == 6
+    # the CUDA engine runs no .pte: its own default K is min(DEFAULT_CHAIN, engine.max_m - 1) whatever the CPU
+    assert compose_cfg(f"export.quant={quant}", "engine=cuda").engine.default_chain == 6
+    assert compose_cfg("engine=cuda", "engine.max_m=4").engine.default_chain == 3
 
 
 def test_export_max_m_changes_the_export_key():
@@ -158,7 +170,7 @@ def test_the_cuda_engine_needs_no_export_and_the_pte_engine_does(tmp_path):
     mods = {name: stages.load(name) for name in stages.ORDER}
     store = Store(tmp_path / "store")
     for engine, export_needed in (("pte", True), ("eager", True), ("cuda", False)):
-        cfg = compose_cfg(f"runtime.engine={engine}")
+        cfg = compose_cfg(f"engine={engine}")
         needed = needed_stages(cfg, mods, plan_keys(cfg, mods), store)
         assert needed >= {"target", "taps", "draft", "eval"} and ("export" in needed) == export_needed, engine
 

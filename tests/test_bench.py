@@ -1,5 +1,6 @@
 """bench/ stays runnable: every module of bench/ and bench/lab/ imports (so a broken import fails here, not on the
-next device run), and every script a user runs answers `python -m bench.X --help` from the repository root."""
+next device run), and every script a user runs (a module with a `__main__` block) answers `python -m bench.X --help`
+from the repository root; the other modules of bench/ are the parts those scripts share."""
 
 from __future__ import annotations
 
@@ -11,19 +12,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
+MODULES = {p.stem: p for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__"}
+SCRIPTS = sorted(m for m, p in MODULES.items() if 'if __name__ == "__main__":' in p.read_text())
+PARTS = sorted(set(MODULES) - set(SCRIPTS))
 LAB = sorted(p.stem for p in (ROOT / "bench" / "lab").glob("*.py") if p.stem != "__init__")
 
 
 def test_bench_holds_the_user_facing_scripts_and_lab_the_investigations():
     assert {"sweep", "export_latency", "peers", "serve", "cuda_engine", "kernels"} <= set(SCRIPTS)
+    assert {"gguf_write", "quality", "pte_profile", "hf_run", "targets"} <= set(PARTS)
     assert {"width_invariance", "draft_vocab", "sass", "ncu_int4", "kernel_tune"} <= set(LAB)
 
 
 def test_every_bench_and_lab_module_imports():
     """One fresh interpreter imports them all (some install log filters at import, which this process keeps out
     of); it reports each module that fails with its exception."""
-    modules = [f"bench.{m}" for m in SCRIPTS] + [f"bench.lab.{m}" for m in LAB]
+    modules = [f"bench.{m}" for m in sorted(MODULES)] + [f"bench.lab.{m}" for m in LAB]
     code = ("import importlib, json, traceback\nfailed = {}\n"
             f"for m in {modules!r}:\n"
             "    try:\n        importlib.import_module(m)\n"

@@ -9,6 +9,8 @@ from pipeline import hardware, sweep
 from pipeline.stages import eval as eval_stage
 from runner.generate import GenerationResult
 
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 METRIC_NAMES = {"chain", "max_m", "pte_sha256", "tokens_per_s", "baseline_tokens_per_s", "speedup", "tau",
@@ -169,7 +171,7 @@ def stage_inputs(tiny_pte, tmp_path_factory):
     for i in range(30):
         ids = torch.randint(0, 254, (300,), generator=gen).tolist()
         (corpus / f"doc{i:02d}.txt").write_text(" ".join(WORDS[j] for j in ids))
-    runtime = OmegaConf.load(Path(__file__).parents[1] / "conf" / "runtime" / "default.yaml")
+    runtime = OmegaConf.load(CONF / "runtime" / "default.yaml")
     base = OmegaConf.create({"device": "cpu", "export": {"backend": "portable", "max_m": tiny_pte.max_m},
                              "data": {"kind": "text", "paths": [str(corpus / "*.txt")], "held_out_fraction": 0.3,
                                       "max_bytes": None, "text_field": "text"},
@@ -178,11 +180,13 @@ def stage_inputs(tiny_pte, tmp_path_factory):
     return base, upstream, sha
 
 
-def run_stage(stage_inputs, tmp_path, **runtime):
+def run_stage(stage_inputs, tmp_path, engine: str = "pte", engine_options: dict | None = None, **runtime):
+    """The stage with `runtime` over conf/runtime/default.yaml and `engine_options` over conf/engine/<engine>.yaml."""
     from omegaconf import OmegaConf
 
     base, upstream, _ = stage_inputs
-    cfg = OmegaConf.merge(base, {"runtime": runtime})
+    options = OmegaConf.merge(OmegaConf.load(CONF / "engine" / f"{engine}.yaml"), engine_options or {})
+    cfg = OmegaConf.merge(base, {"engine": options, "runtime": runtime})
     hardware.resolve(cfg)  # `auto` -> this machine's values, as pipeline.app does before any stage
     report = eval_stage.run(cfg, upstream, tmp_path)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -209,7 +213,7 @@ def test_eval_writes_metrics_and_generations(stage_inputs, tmp_path):
 
 @pytest.mark.slow  # the stage over an exported program
 def test_eval_in_exact_mode_checks_every_k_against_the_exact_k0_and_times_the_plain_decode(stage_inputs, tmp_path):
-    _, m, gens = run_stage(stage_inputs, tmp_path, chain=3, exact=True, exact_width=4)
+    _, m, gens = run_stage(stage_inputs, tmp_path, chain=3, engine_options={"exact": True, "exact_width": 4})
     assert m["exact_width"] == 4 and m["max_m"] == 4 and m["lossless"] is True
     assert m["plain_tokens_per_s"] > 0 and m["speedup_vs_plain"] == pytest.approx(
         m["tokens_per_s"] / m["plain_tokens_per_s"])
@@ -238,7 +242,7 @@ def test_eval_prompts_are_cut_as_the_taps_cut_their_held_out_prompts(stage_input
 def test_eval_from_a_prompt_file_with_the_eager_engine_and_the_default_chain(stage_inputs, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "w1 w2 w3 w4 w5"}\n{"prompt": "w9"}\n')
-    _, m, gens = run_stage(stage_inputs, tmp_path, prompts=str(prompts), engine="eager", chain=None)
+    _, m, gens = run_stage(stage_inputs, tmp_path, engine="eager", prompts=str(prompts), chain=None)
     assert m["chain"] == 3 and m["n_prompts"] == 2 and m["lossless"] is True
     assert [g["prompt_ids"] for g in gens] == [[3, 4, 5, 6, 7], [11]]
 

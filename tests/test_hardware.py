@@ -90,10 +90,10 @@ def test_default_chain_auto_measures_no_row_tile_where_executorch_is_not_install
     monkeypatch.setattr(hardware, "row_tile", lambda *a, **kw: pytest.fail("measured a row tile without ExecuTorch"))
     with caplog.at_level(logging.INFO, logger="pipeline.hardware"):
         for max_m in (2, 4, 8):
-            assert hardware.resolve_default_chain("auto", max_m=max_m, backend="xnnpack", quant="int4",
-                                                  engine="pte") == min(DEFAULT_CHAIN, max_m - 1)
+            assert hardware.resolve_default_chain("auto", max_m=max_m, backend="xnnpack",
+                                                  quant="int4") == min(DEFAULT_CHAIN, max_m - 1)
     assert "ExecuTorch is not installed" in caplog.text
-    assert hardware.resolve_default_chain(3, max_m=8, backend="xnnpack", quant="int4", engine="pte") == 3
+    assert hardware.resolve_default_chain(3, max_m=8, backend="xnnpack", quant="int4") == 3
 
 
 def run_governor(gov, seconds_at, steps):

@@ -1,5 +1,6 @@
-"""The import arrows point down: models/ is the floor (target, draft, text facts, quiet), runner/ and pipeline/ stand
-on it, bench/ on everything. Read from the source (ast), so an import inside a function counts as well."""
+"""The import arrows point down: native/ (the C++ compiler driver) is the floor, models/ (target, draft, text facts,
+choice names, quiet) stands on it, runner/ and pipeline/ on models/, bench/ on everything. Read from the source
+(ast), so an import inside a function counts as well."""
 
 from __future__ import annotations
 
@@ -53,3 +54,16 @@ def test_nothing_outside_bench_imports_bench():
     wrong = sorted({str(p.relative_to(ROOT)) for p in modules("models", "pipeline", "runner", "kernels")
                     for pkg, _ in imports(p) if pkg == "bench"})
     assert not wrong, wrong
+
+
+def test_native_imports_nothing_of_this_repository():
+    wrong = sorted({f"{p.relative_to(ROOT)} -> {pkg}" for p in modules("native") for pkg, _ in imports(p)
+                    if pkg in ("models", "runner", "pipeline", "kernels", "bench")})
+    assert not wrong, wrong
+
+
+def test_the_choices_module_imports_the_standard_library_only():
+    """models.choices names every run-time choice for validation and for the code: it stays below every layer,
+    so the config is checked before torch loads."""
+    top = {pkg for pkg, _ in imports(ROOT / "models" / "choices.py")}
+    assert top <= {"__future__"}, top

@@ -1,6 +1,7 @@
-"""bench/peers.py's testable parts: write_gguf (our Llama-family target -> a GGUF that transformers'
-reader turns back into the same tensors and logits, and that llama.cpp decodes to our greedy tokens), and the
-benchmark's bookkeeping (bytes per step, common prefixes, the summary's lossless flags). Random tiny targets
+"""The CPU peer benchmark's testable parts: bench.gguf_write (our Llama-family target -> a GGUF that
+transformers' reader turns back into the same tensors and logits, and that llama.cpp decodes to our greedy
+tokens), bench.quality's losses, and the benchmark's bookkeeping (bench.bytes_floor's bytes per step, bench.peers'
+common prefixes and the summary's lossless flags). Random tiny targets
 with widely spread weights, so that greedy decoding is not decided by float noise. The llama.cpp check skips,
 naming the install command, where llama_cpp is not installed."""
 
@@ -16,7 +17,7 @@ gguf = pytest.importorskip("gguf")
 from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers  # noqa: E402
 
 from models import TargetConfig, Transformer  # noqa: E402
-from bench import peers  # noqa: E402
+from bench import gguf_write, quality  # noqa: E402
 from models import gguf as mg  # noqa: E402
 from models.quiet import quiet_transformers  # noqa: E402
 
@@ -59,7 +60,7 @@ def read_back(path):
 @pytest.mark.parametrize("tie", [True, False])
 def test_write_gguf_reads_back_as_the_same_tensors_and_logits(tmp_path, tie):
     model, tok = target(tie), tokenizer(300)  # 300 tokenizer ids, 320 embedding rows: 20 padded
-    path = peers.write_gguf(model, tok, tmp_path / "t.gguf")
+    path = gguf_write.write_gguf(model, tok, tmp_path / "t.gguf")
     hf = read_back(path)
     theirs = hf.state_dict()
     for name, t in model.state_dict().items():
@@ -84,7 +85,7 @@ def test_quantised_types_read_back_close(tmp_path):
     with torch.no_grad():
         ref = model(ids)
         for dtype, tol in (("f16", 2e-3), ("q8_0", 5e-2)):
-            got = read_back(peers.write_gguf(model, tok, tmp_path / f"{dtype}.gguf", dtype=dtype))(ids).logits
+            got = read_back(gguf_write.write_gguf(model, tok, tmp_path / f"{dtype}.gguf", dtype=dtype))(ids).logits
             assert (got - ref).norm() / ref.norm() < tol, dtype
 
 
@@ -92,7 +93,7 @@ def test_llama_permute_is_what_transformers_undoes():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     w = torch.randn(2 * 16, 64)
-    back = LlamaTensorProcessor()._reverse_permute_weights(peers.llama_permute(w, 2).numpy(), 4, 2)
+    back = LlamaTensorProcessor()._reverse_permute_weights(gguf_write.llama_permute(w, 2).numpy(), 4, 2)
     assert torch.equal(torch.from_numpy(back), w)
 
 
@@ -100,14 +101,14 @@ def test_write_gguf_refuses_what_the_llama_architecture_lacks(tmp_path):
     cfg = TargetConfig(vocab_size=64, hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
                        intermediate_size=64, qk_norm=True)
     with pytest.raises(mg.GGUFError, match="qk_norm"):
-        peers.write_gguf(Transformer(cfg), tokenizer(64), tmp_path / "x.gguf")
+        gguf_write.write_gguf(Transformer(cfg), tokenizer(64), tmp_path / "x.gguf")
     with pytest.raises(mg.GGUFError, match="dtype"):
-        peers.write_gguf(target(True), tokenizer(300), tmp_path / "x.gguf", dtype="q3_k")
+        gguf_write.write_gguf(target(True), tokenizer(300), tmp_path / "x.gguf", dtype="q3_k")
     assert not list(tmp_path.iterdir())
 
 
 def test_bytes_per_step(tmp_path):
-    from bench.peers import gguf_weight_bytes, target_weight_bytes
+    from bench.bytes_floor import gguf_weight_bytes, target_weight_bytes
 
     tied, untied = target(True), target(False)
     n_tied = sum(p.numel() for p in tied.parameters())
@@ -116,9 +117,9 @@ def test_bytes_per_step(tmp_path):
     matrices = sum(p.numel() for p in tied.parameters() if p.ndim == 2)
     assert target_weight_bytes(tied, "int4") == 4 * (n_tied - matrices) + matrices // 2 + matrices // 32 * 6
     tok = tokenizer(300)
-    f32 = gguf_weight_bytes(peers.write_gguf(tied, tok, tmp_path / "tied.gguf"))
+    f32 = gguf_weight_bytes(gguf_write.write_gguf(tied, tok, tmp_path / "tied.gguf"))
     assert f32 == 4 * n_tied
-    assert gguf_weight_bytes(peers.write_gguf(untied, tok, tmp_path / "untied.gguf")) == 4 * n_tied
+    assert gguf_weight_bytes(gguf_write.write_gguf(untied, tok, tmp_path / "untied.gguf")) == 4 * n_tied
 
 
 def test_summary_flags_mismatches_and_picks_the_best_of_ours():
@@ -156,7 +157,7 @@ def test_llama_cpp_in_a_process_of_its_own_decodes_our_greedy_tokens_and_scores_
     if why is not None:
         pytest.skip(why)
     model, tok = target(True, seed=3), tokenizer(300)
-    path = peers.write_gguf(model, tok, tmp_path / "t.gguf")
+    path = gguf_write.write_gguf(model, tok, tmp_path / "t.gguf")
     prompt = tok.encode(TEXT).ids[:12]
     ids = list(prompt)
     with torch.no_grad():
@@ -167,19 +168,19 @@ def test_llama_cpp_in_a_process_of_its_own_decodes_our_greedy_tokens_and_scores_
     got = llama_run.in_child({"path": str(path), "prompts": [prompt], "new_tokens": 16, "pld": [2], "threads": 1,
                               "windows": windows, "agree": [ids], "prompt_len": len(prompt)})
     assert [row["outputs"] for row in got["rows"].values()] == [[ids[len(prompt):]]] * 2
-    assert got["quality"]["loss"] == pytest.approx(peers.eager_loss(model, windows), rel=1e-3)
+    assert got["quality"]["loss"] == pytest.approx(quality.eager_loss(model, windows), rel=1e-3)
     assert got["quality"]["greedy_agreement"] == 1.0
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_llama_runs_numpy_loss_is_the_torch_one(seed):
-    """bench.llama_run.nll (numpy, no torch in llama.cpp's process) against bench.peers._nll on fresh logits."""
+    """bench.llama_run.nll (numpy, no torch in llama.cpp's process) against bench.quality._nll on fresh logits."""
     from bench import llama_run
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())) + seed)
     logits = torch.randn(7, 50, generator=g) * 5
     targets = torch.randint(0, 50, (7,), generator=g).tolist()
-    assert llama_run.nll(logits.numpy(), targets) == pytest.approx(peers._nll(logits, targets), rel=1e-9)
+    assert llama_run.nll(logits.numpy(), targets) == pytest.approx(quality._nll(logits, targets), rel=1e-9)
 
 
 @pytest.mark.slow  # an exported program
@@ -195,11 +196,11 @@ def test_the_pte_loss_and_greedy_reference_are_the_eager_targets(tiny_pte, seed)
     vocab = spec.target.cfg.vocab_size
     windows = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (2 * tiny_pte.max_m, 13, 2)]
     engine = PteEngine(tiny_pte.path)
-    eager = peers.eager_loss(spec.target, windows)
-    assert abs(peers.pte_loss(engine, windows) - eager) < 1e-4 * max(1.0, eager)
-    assert peers.eager_loss(spec.target, windows[:1]) != pytest.approx(eager), "the windows are all scored"
+    eager = quality.eager_loss(spec.target, windows)
+    assert abs(quality.pte_loss(engine, windows) - eager) < 1e-4 * max(1.0, eager)
+    assert quality.eager_loss(spec.target, windows[:1]) != pytest.approx(eager), "the windows are all scored"
 
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (9, 20)]
-    reference = peers.eager_greedy(spec.target, prompts, 12)
+    reference = quality.eager_greedy(spec.target, prompts, 12)
     for i, prompt in enumerate(prompts):
         assert generate(engine, prompt, chain=0, max_new_tokens=12).output_ids == reference[i]

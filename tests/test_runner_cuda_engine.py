@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from models import Speculator, tiny_draft, tiny_target
-from runner.cuda_engine import CudaEngine, load_cuda_engine
+from runner.build import build_engine
+from runner.cuda_engine import CudaEngine
 from runner.engine import EagerEngine
 from runner.generate import generate
 
@@ -173,38 +174,40 @@ def test_graph_replays_in_float32_equal_the_eager_module():
             assert b.output_ids == a.output_ids and b.accepted == a.accepted
 
 
-@pytest.mark.parametrize("cuda_quant, export_quant", [("none", "int4"), ("int4", "int4_draft"), ("int4_g128", "fp32")])
-def test_the_cuda_engine_takes_its_weights_from_runtime_cuda_quant_not_export_quant(monkeypatch, cuda_quant,
-                                                                                   export_quant):
+@pytest.mark.parametrize("quant, export_quant", [("none", "int4"), ("int4", "int4_draft"), ("int4_g128", "none")])
+def test_the_cuda_engine_is_built_from_the_engine_group_alone(monkeypatch, quant, export_quant):
+    """The eval stage's engine (pipeline.artifacts.load_engine) is the engine group's: its weights are
+    engine.quant's, never export.quant's, and its windows are engine.*'s, never export.*'s."""
     from types import SimpleNamespace
 
     from hydra import compose, initialize_config_dir
 
-    from pipeline import artifacts
+    from pipeline import artifacts, hardware
     from pipeline.app import CONF_DIR
     from runner import cuda_engine
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["runtime.engine=cuda", f"runtime.cuda_quant={cuda_quant}",
-                                                       f"export.quant={export_quant}", "runtime.exact=true",
-                                                       "runtime.exact_width=8", "export.default_chain=4"])
+        cfg = compose(config_name="config", overrides=[
+            "engine=cuda", f"engine.quant={quant}", "engine.max_m=6", "engine.max_prefill_chunk=64",
+            f"export.quant={export_quant}", "export.max_m=8", "export.default_chain=4", "export.max_prefill_chunk=128"])
+    hardware.resolve(cfg)
     seen = {}
-    monkeypatch.setattr(cuda_engine, "load_cuda_engine", lambda *args, **kw: seen.update(kw) or "engine")
+    monkeypatch.setattr(cuda_engine, "CudaEngine", lambda spec, **kw: seen.update(kw) or "engine")
+    monkeypatch.setattr("models.load_target", lambda path: tiny_target(seed=0))
+    monkeypatch.setattr("models.load_speculators", lambda path, target: tiny_draft(target, seed=1))
     upstream = {"target": SimpleNamespace(path="target"), "draft": SimpleNamespace(path="draft")}
+    assert artifacts.engine_upstream(cfg) == ("target", "draft")
     assert artifacts.load_engine(cfg, upstream) == "engine"
-    assert seen["quant"] == cuda_quant
-
-
-def test_the_configs_cuda_quant_names_are_the_engines_schemes():
-    from pipeline.artifacts import CUDA_QUANTS
-    from runner.cuda_engine import QUANTS
-
-    assert CUDA_QUANTS == tuple(QUANTS)
+    assert seen["kernels"] == (quant != "none") and seen.get("group") == {"none": None, "int4": 32,
+                                                                           "int4_g128": 128}[quant]
+    assert (seen["max_m"], seen["default_chain"], seen["max_prefill_chunk"], seen["min_prefill_chunk"]) == (6, 5, 64, 7)
+    assert seen["exact"] is True and seen["device"] == "cuda"
 
 
 def test_an_unknown_cuda_quant_is_refused_before_any_weights_are_read(tmp_path):
-    with pytest.raises(ValueError, match=r"cuda_quant must be one of none, int4, int4_g128, got 'int8'"):
-        load_cuda_engine(tmp_path / "absent", tmp_path / "absent", windows=WINDOWS, quant="int8")
+    with pytest.raises(ValueError, match=r"engine.quant='int8': expected one of none, int4, int4_g128"):
+        build_engine({"kind": "cuda", "quant": "int8", **WINDOWS}, target=tmp_path / "absent",
+                     draft=tmp_path / "absent")
 
 
 def test_compiled_calls_give_the_plain_engines_tokens_at_every_chain():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import tracking
+from pipeline import tracking, tracking_queue
 from pipeline_fakes import run_app, seed_mlflow_db, write_fake_stages
 
 pytestmark = pytest.mark.slow  # pipeline jobs and MLflow stores
@@ -417,14 +417,15 @@ def assert_recorded_in_full(out, job_dir):
     assert all(x.info.status == "FINISHED" for x in stages.values())
     assert stages["draft"].data.metrics["step_metric"] == 1.0 and stages["draft"].data.metrics["value"] == 1.0
     assert stages["export"].data.params["export.max_m"], "a stage run created only at replay has its params"
-    assert not (job_dir / tracking.PENDING_FILE).exists() and not list((out / tracking.PENDING_INDEX).iterdir())
+    assert not (job_dir / tracking_queue.PENDING_FILE).exists()
+    assert not list((out / tracking_queue.PENDING_INDEX).iterdir())
     return job
 
 
 def test_a_job_that_ends_while_the_store_is_locked_is_replayed_by_the_next_job(tmp_path, monkeypatch):
     fakes, out, job_dir, result = run_locked_job(tmp_path, monkeypatch)
-    assert result["status"] == "ok" and tracking.PENDING_FILE in result["tracking"]
-    pending = json.loads((job_dir / tracking.PENDING_FILE).read_text())
+    assert result["status"] == "ok" and tracking_queue.PENDING_FILE in result["tracking"]
+    pending = json.loads((job_dir / tracking_queue.PENDING_FILE).read_text())
     assert {"metrics", "end", "create"} <= {op["op"] for op in pending["ops"]}
     jobs, _ = job_runs(out)
     assert [j.info.status for j in jobs] == ["RUNNING"], "nothing of its end reached the store"
@@ -440,7 +441,7 @@ def test_tracking_sync_replays_a_pending_file_once(tmp_path, monkeypatch):
     _, out, job_dir, _ = run_locked_job(tmp_path, monkeypatch)
     sync = [sys.executable, "-m", "pipeline.tracking", "sync", "--outputs", str(out)]
     r = subprocess.run(sync, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and f"replayed {job_dir / tracking.PENDING_FILE}" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and f"replayed {job_dir / tracking_queue.PENDING_FILE}" in r.stdout, r.stdout + r.stderr
     assert_recorded_in_full(out, job_dir)
     r = subprocess.run(sync, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "nothing to sync" in r.stdout, r.stdout + r.stderr
@@ -461,11 +462,11 @@ def test_a_replay_cut_short_sends_nothing_twice(tmp_path):
     ops = json.loads(pending.read_text())["ops"]
     cut = dict(ops[4], op="no-such-op")  # the replay stops there, after the job's run and its metrics were sent
     pending.write_text(json.dumps({**json.loads(pending.read_text()), "ops": [*ops[:4], cut, *ops[4:]]}))
-    assert tracking.replay(tracker, pending) == len(ops) - 3
+    assert tracking_queue.replay(tracker, pending) == len(ops) - 3
     left = json.loads(pending.read_text())
     left["ops"] = ops[1:]  # the metrics again, as a replay killed before it rewrote the file would leave them
     pending.write_text(json.dumps(left))
-    assert tracking.replay(tracker, pending) == 0 and not pending.exists()
+    assert tracking_queue.replay(tracker, pending) == 0 and not pending.exists()
     runs = tracker.client.search_runs([tracker.experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["job", "stage"]
     job_run = next(r for r in runs if r.info.run_name == "job")

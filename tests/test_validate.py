@@ -33,16 +33,23 @@ def test_the_default_and_smoke_configs_pass():
     ("runtime.temperature=hot", "runtime.temperature='hot'"),
     ("runtime.n_prompts=0", "runtime.n_prompts=0"),
     ("runtime.policy=greedy", "runtime.policy='greedy': one of static, adaptive"),
-    ("runtime.engine=gpu", "runtime.engine='gpu': one of pte, eager, cuda"),
-    ("runtime.cuda_quant=int8", "runtime.cuda_quant='int8': one of none, int4, int4_g128"),
-    ("runtime.cuda_compile=max", "runtime.cuda_compile='max': one of none, inductor"),
-    ("runtime.cuda_compile=inductor runtime.cuda_quant=int4",
-     "runtime.cuda_compile='inductor': none with runtime.cuda_quant=int4"),
-    ("runtime.cuda_compile=inductor runtime.cuda_quant=int4_g128",
-     "runtime.cuda_compile='inductor': none with runtime.cuda_quant=int4_g128"),
-    ("runtime.exact=maybe", "runtime.exact='maybe': one of True, False, auto"),
-    ("runtime.exact_width=1", "runtime.exact_width=1: an int in [2, 8]"),
-    ("runtime.exact=true runtime.exact_width=3 runtime.chain=4", "runtime.chain=4: at most runtime.exact_width - 1 = 2"),
+    ("engine.kind=gpu", "engine.kind='gpu': one of pte, eager, cuda"),
+    ("engine=cuda engine.quant=int8", "engine.quant='int8': one of none, int4, int4_g128"),
+    ("engine=cuda engine.compile=max", "engine.compile='max': one of none, inductor"),
+    ("engine=cuda engine.compile=inductor engine.quant=int4",
+     "engine.compile='inductor': none with engine.quant=int4"),
+    ("engine=cuda engine.compile=inductor engine.quant=int4_g128",
+     "engine.compile='inductor': none with engine.quant=int4_g128"),
+    ("engine=cuda engine.device=cpu", "engine.device='cpu': a CUDA device: cuda or cuda:N"),
+    ("engine=cuda engine.max_m=17", "engine.max_m=17: an int in [2, 16]"),
+    ("engine=cuda engine.max_m=4 engine.default_chain=4", "engine.default_chain=4: an int in [1, 3]"),
+    ("engine=cuda engine.min_prefill_chunk=4", "engine.min_prefill_chunk=4: null or above engine.max_m=8"),
+    ("engine=cuda engine.max_prefill_chunk=600", "engine.max_prefill_chunk=600: an int in [9, 512]"),
+    ("engine=cuda engine.max_m=4 runtime.chain=4", "runtime.chain=4: an int in [0, 3]"),
+    ("engine=eager engine.device=tpu", "engine.device='tpu': a torch device: cpu, cuda or cuda:N"),
+    ("engine.exact=maybe", "engine.exact='maybe': one of True, False, auto"),
+    ("engine.exact_width=1", "engine.exact_width=1: an int in [2, 8]"),
+    ("engine.exact=true engine.exact_width=3 runtime.chain=4", "runtime.chain=4: at most engine.exact_width - 1 = 2"),
     ("runtime.prompts=/no/such/prompts.txt", "runtime.prompts='/no/such/prompts.txt': an existing file"),
     ("export.max_m=1", "export.max_m=1: an int in [2, inf]"),
     ("export.max_m=17 export.max_prefill_chunk=32", "export.max_m=17: the small-M kernels take at most 16 rows"),
@@ -59,7 +66,7 @@ def test_the_default_and_smoke_configs_pass():
     ("threads=0", "threads=0"),
     ("+experiment=smoke runtime.prompt_len=1000",
      "runtime.prompt_len=1000 + runtime.max_new_tokens=48 = 1048 exceeds target.max_seq_len=128"),
-    ("runtime.exact=true runtime.exact_width=8 runtime.max_new_tokens=442",
+    ("engine.exact=true engine.exact_width=8 runtime.max_new_tokens=442",
      "runtime.prompt_len=64 + runtime.max_new_tokens=442 = 506 exceeds target.max_seq_len=512 less exact mode's 7"),
     ("runtime.max_new_tokens=500", "runtime.prompt_len=64 + runtime.max_new_tokens=500 = 564 exceeds "
                                    "target.max_seq_len=512"),
@@ -77,8 +84,22 @@ def test_the_cuda_engine_without_a_cuda_device_is_refused_before_any_stage():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    with pytest.raises(ConfigError, match="runtime.engine='cuda': pte or eager on a machine where torch sees no CUDA"):
-        check_config(compose_cfg("runtime.engine=cuda"))
+    with pytest.raises(ConfigError, match="engine='cuda': pte or eager on a machine where torch sees no CUDA"):
+        check_config(compose_cfg("engine=cuda"))
+
+
+def test_an_engine_choice_that_does_not_exist_is_refused_naming_the_choices():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match=r"(?s)Could not find 'engine/gpu'.*cuda.*eager.*pte"):
+        compose_cfg("engine=gpu")
+
+
+def test_an_option_of_another_engine_is_refused():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="Could not override 'engine.quant'"):
+        compose_cfg("engine.quant=int4")  # engine=pte has no weights of its own: export.quant is the .pte's
 
 
 def test_every_problem_is_listed_at_once():

@@ -1,7 +1,7 @@
 """Does inductor close the gap between the CUDA engine's bf16 step and transformers' compiled static cache?
 
 Gemma 3 270M's real layers with random weights (bench.cuda_engine.gemma3_layers): the engine (bf16, CUDA
-graphs, kernels off) as it is and with `compile="inductor"` (runtime.cuda_compile: the captured calls through
+graphs, kernels off) as it is and with `compile="inductor"` (engine.compile: the captured calls through
 torch.compile before capture, inductor's fused kernels inside our own graphs). Beside them,
 transformers' Gemma3ForCausalLM on the same config with the static cache generate() compiles. Reports load time
 (compilation and capture), tokens/s at K = 0 and K = 3 and whether the compiled engine's ids equal the plain

@@ -11,7 +11,7 @@ beside the fp32 target's: the scheme the .pte uses, the same without the activat
 fp32 lm_head, and asymmetric weight groups (what a Q4_1 GGUF stores: w = d*q + m per block of 32). A target
 dequantised from a 4-bit GGUF is rounded a second time by any scheme that does not match the file's.
 
-Also the CUDA engine's INT4 weights (`runtime.cuda_quant=int4`: kernels.int4_gemm.quantize_int4, asymmetric
+Also the CUDA engine's INT4 weights (`engine.quant=int4`: kernels.int4_gemm.quantize_int4, asymmetric
 groups of 128, or 32 where 128 does not divide the width, every linear the lm_head included), dequantised back
 into the fp32 model: the weights' share of the loss (the kernels' bf16 activations are not modelled), with the
 zero as quantize_int4 chooses it, every zero an integer code in 0..15 as it was before, every zero a bf16 number,
@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     from torchao.quantization.granularity import PerGroup
     from torchao.quantization.quant_primitives import MappingType
 
-    from bench.peers import eager_loss, make_prompts
+    from bench.quality import eager_loss
+    from bench.targets import make_prompts
     from models import load_target
 
     target = load_target(args.target).eval()

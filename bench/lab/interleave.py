@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     set_threads(args.threads)
     from tokenizers import Tokenizer
 
-    from bench.peers import make_prompts
+    from bench.targets import make_prompts
     from runner.generate import generate
 
     engine = PteEngine(args.pte)

@@ -15,9 +15,11 @@ corpus text at seeded places of documents, or with `data.prompt_format=chat` req
 docstrings in the target's chat template. The eval's prompts and the held-out taps on which the draft stage
 predicts tau are thereby draws from one distribution.
 
-Engines (`runtime.engine`): `pte` runs the .pte through executorch.runtime; `eager` runs the same modules in
-PyTorch with the .pte's windows; `cuda` runs them on a GPU with CUDA graphs (runner.cuda_engine) in the
-windows export.* fixes, reading the target and draft artifacts only (the export stage does not run for it).
+Engines (`engine=<kind>`, conf/engine/<kind>.yaml, built by runner.build.build_engine through
+pipeline.artifacts.load_engine): `pte` runs the .pte through executorch.runtime; `eager` runs the same modules
+in PyTorch with the .pte's windows; `cuda` runs them on a GPU with CUDA graphs (runner.cuda_engine) in its own
+windows (engine.max_m etc.), reading the target and draft artifacts only (the export stage does not run for it,
+and no export.* key reaches it).
 
 Writes into the Hydra job directory:
     metrics.json        the names below, also the MLflow metrics of this job (pte_sha256 as a tag)
@@ -27,7 +29,7 @@ Metrics: chain, max_m, pte_sha256 ("" on the CUDA engine), tokens_per_s, baselin
 excluded), acceptance_rate, acceptance_pos_<i> (i < K; 0 where no round reached i), verify_ms_per_round,
 draft_ms_per_round (the draft calls of a round), round_ms (a round's whole wall time, the Python between its
 calls included), prefill_ms (per prompt, target prefill + draft seeding), rounds, emitted_tokens, lossless,
-n_prompts, exact_width (0: not exact). In exact mode (`runtime.exact`, runner.engine.ExactEngine) the baseline
+n_prompts, exact_width (0: not exact). In exact mode (`engine.exact`, runner.engine.ExactEngine) the baseline
 is the exact K=0, whose tokens every K must give, and the plain T=1 decode of the same program runs too:
 plain_tokens_per_s, speedup_vs_plain. Throughputs are decode tokens (after the prefill bonus) over decode time,
 summed over prompts. After a one-prompt warm-up of both runs, which is not counted.
@@ -62,7 +64,7 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 UPSTREAM = ("target", "draft", "export")
-CONFIG_KEYS = ("runtime", "export", "data")
+CONFIG_KEYS = ("runtime", "engine", "export", "data")
 CONTENT_ADDRESSED = False
 
 
@@ -189,7 +191,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         pte_sha256 = (export.manifest.get("files", {}).get(PTE)
                       or hashlib.sha256(pte_path(export).read_bytes()).hexdigest())
 
-    source = f"max_seq_len={meta['max_seq_len']} of the {rt.engine} engine"
+    source = f"max_seq_len={meta['max_seq_len']} of the {cfg.engine.kind} engine"
     if rt.prompts:
         texts = read_prompt_file(Path(rt.prompts))
         prompts = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
@@ -213,7 +215,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
                   temperature=float(rt.temperature), seed=int(rt.seed))
     policy = str(rt.policy)
     log.info("eval: %d prompts, K=%d (%s), max_m=%d, engine=%s%s", len(prompts), chain, policy,
-             meta["max_m"], rt.engine, f", .pte {pte_sha256[:12]}" if pte_sha256 else "")
+             meta["max_m"], cfg.engine.kind, f", .pte {pte_sha256[:12]}" if pte_sha256 else "")
 
     # exact mode: the plain T=1 decode of the same program too, for speed (its tokens may differ from exact K=0's)
     plain_engine = engine.inner if isinstance(engine, ExactEngine) else None

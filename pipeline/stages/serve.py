@@ -1,4 +1,4 @@
-"""The serve stage: the artifacts the config names, loaded as the eval stage loads them (`runtime.engine`,
+"""The serve stage: the artifacts the config names, loaded as the eval stage loads them (`engine=<kind>`,
 pipeline.artifacts.load_engine), behind the OpenAI-compatible server of runner.serve until SIGTERM or SIGINT.
 
 `+stage=serve` runs the stages up to export (from the store when cached), then this one in place of eval. It is
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 UPSTREAM = ("target", "draft", "export")
-CONFIG_KEYS = ("runtime", "serve")
+CONFIG_KEYS = ("runtime", "engine", "serve")
 CONTENT_ADDRESSED = False
 
 
@@ -64,7 +64,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         raise
     run_server(app, sock=sock, drain_s=float(sc.drain_s),
                ready=lambda url: log.info("serving %s at %s (engine %s%s); SIGTERM or Ctrl-C stops it",
-                                          settings.model, url, rt.engine,
+                                          settings.model, url, cfg.engine.kind,
                                           ", API key required" if settings.api_key else ""))
     finished = app.state.decoder.metrics.finished()
     log.info("server stopped: %d requests (%s)", sum(finished.values()),

@@ -1,0 +1,27 @@
+"""The names of the run-time choices, written once: the config's validation (pipeline/validate.py), the command
+lines (runner/__main__.py, runner/serve.py), the engine factory (runner/build.py) and the code that acts on a
+choice all read them here, so a name offered is a name served.
+
+- ENGINES: the engines an `engine=<kind>` config (conf/engine/<kind>.yaml) builds (runner.build.build_engine):
+  `pte` runs the exported program, `eager` models.Speculator in PyTorch, `cuda` CUDA graphs on one GPU.
+- POLICIES: how a round picks its chain length K (runner.policy).
+- CUDA_QUANTS: the cuda engine's weights (`engine.quant`), each name mapped to the INT4 kernels' options
+  (runner.cuda_engine.CudaEngine's `group` and `dense`; None: bf16 weights, no kernels).
+- CUDA_COMPILES: how the cuda engine's calls are compiled before capture (`engine.compile`).
+
+Standard library only (models/ is the floor every layer stands on, and validation runs before torch loads).
+"""
+
+from __future__ import annotations
+
+ENGINES = ("pte", "eager", "cuda")
+
+POLICIES = ("static", "adaptive")
+
+# On both real targets (docs/results.md, "GPU: the real targets") `int4` keeps the GGUF's 4-bit blocks (group 32)
+# and the lm_head in bf16, within 0.002 (SmolLM2's Q4_1) and 0.15 nats (Gemma 3's Q4_K_M, part 6-bit) of the file;
+# `int4_g128` quantises the lm_head too, at group 128: a faster K = 0 (by 12-18%), 0.13-0.85 nats from the file.
+CUDA_QUANTS = {"none": None, "int4": {"group": 32, "dense": ("lm_head",)}, "int4_g128": {"group": 128, "dense": ()}}
+
+# none: the captured calls as written | inductor: the dense (bf16) engine's calls through torch.compile
+CUDA_COMPILES = ("none", "inductor")
