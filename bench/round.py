@@ -21,6 +21,7 @@ place). `round / alone` is the figure to keep near 1. Each thread count runs in 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -44,13 +45,14 @@ class Recorder:
 
     def __init__(self, inner, keep_inputs: bool):
         self.inner, self.meta, self.keep, self.calls = inner, inner.meta, keep_inputs, []
+        self.draft_chains = inner.draft_chains
 
     def reset(self):
         self.inner.reset()
 
     def _call(self, name, *inputs):
         t0 = time.perf_counter()
-        out = getattr(self.inner, name)(*inputs)
+        out = self.inner._run(name, *inputs)
         ms = (time.perf_counter() - t0) * 1e3
         self.calls.append((name, tuple(x.clone() for x in inputs) if self.keep else None, ms))
         return out
@@ -66,6 +68,9 @@ class Recorder:
 
     def draft_decode(self, *inputs):
         return self._call("draft_decode", *inputs)
+
+    def draft_chain(self, k, *inputs):
+        return self._call(f"draft_chain_{k}", *inputs)[0]
 
 
 def decode_calls(calls: list, chain: int) -> list:
@@ -84,7 +89,7 @@ def _ms(fn, *args) -> float:
 def _after(engine, prev, fn, inputs) -> float:
     """ms of `fn(*inputs)` run right after the call that preceded it in the loop (`prev`: name, inputs)."""
     if prev is not None:
-        getattr(engine, prev[0])(*prev[1])
+        engine._run(prev[0], *prev[1])
     return _ms(fn, *inputs)
 
 
@@ -98,7 +103,7 @@ def replay(engine, calls: list) -> tuple[dict, dict]:
     sums, pairs = defaultdict(lambda: defaultdict(float)), defaultdict(lambda: defaultdict(float))
     prev = None
     for name, inputs, in_place in calls:
-        fn = getattr(engine, name)
+        fn = functools.partial(engine._run, name)
         raw = engine._methods[name]._method
         t = {"in_place": in_place, "n": 1}
         t["after"] = min(_after(engine, prev, fn, inputs) for _ in range(2))

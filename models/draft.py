@@ -123,6 +123,11 @@ class Eagle3Draft(nn.Module):
     # --- cached / stateless forward -----------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor | None = None):
         """tokens [B,T], feature [B,T,H] -> (logits [B,T,Vd], g [B,T,H]). Cached (batch 1) iff input_pos."""
+        g = self.hidden(tokens, feature, input_pos)
+        return self.logits(g), g
+
+    def hidden(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor | None = None):
+        """forward's g [B,T,H] alone: a caller that reads one row's logits takes the lm_head on that row only."""
         T = tokens.shape[1]
         kv_impl = "index_copy"
         if input_pos is None:
@@ -138,8 +143,7 @@ class Eagle3Draft(nn.Module):
         mask = cached_mask(kv_impl, q_pos, k_pos, None)
         if kv_impl == "llama_ops":  # the layer takes the start position, read once per call
             input_pos = start_position(input_pos, self.key_pos.numel())
-        g = self.layers[0](self.embed_tokens(tokens), feature, cos, sin, mask, input_pos)
-        return self.logits(g), g
+        return self.layers[0](self.embed_tokens(tokens), feature, cos, sin, mask, input_pos)
 
     def _check_cache_write(self, tokens, input_pos):
         if tokens.shape[0] != 1:

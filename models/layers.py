@@ -194,7 +194,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps, norm_unit_offset) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, norm_unit_offset) if qk_norm else None
         self.kv_impl = "index_copy"
-        self.rotate_weight = None
+        # a buffer, not a plain attribute: a graph that runs the layer several times (a draft chain) lifts it
+        # under one name, which the lowered program finds as a buffer
+        self.register_buffer("rotate_weight", None, persistent=False)
         self.setup_cache(1, max_seq_len)
 
     def setup_cache(self, batch_size: int, length: int) -> None:

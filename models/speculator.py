@@ -25,6 +25,12 @@ from models.draft import Eagle3Draft
 from models.target import Transformer
 
 
+def chain_methods(max_m: int) -> tuple[str, ...]:
+    """The exported names of `Speculator.draft_chain` at each K in [1, max_m-1]: draft_chain_<k>, one method per
+    K (a chain's steps are unrolled in its graph), so one program serves every K."""
+    return tuple(f"draft_chain_{k}" for k in range(1, max_m))
+
+
 def share_embedding(target: Transformer, draft: Eagle3Draft) -> bool:
     """Make `draft.embed_tokens` read the target's Parameter when the tables are equal; -> whether it does.
 
@@ -77,6 +83,21 @@ class Speculator(nn.Module):
         """tokens [1,T], feature [1,T,H], input_pos [T] -> (target-vocab ids [1,T], g [1,T,H], logits [1,T,Vd])."""
         logits, g = self.draft(tokens, feature, input_pos)
         return self.draft.to_target(torch.argmax(logits, dim=-1)), g, logits
+
+    def draft_chain(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor, k: int):
+        """A greedy round's K = k proposals in one call: draft_decode's seeding on tokens [1,T] (a round's
+        reseed, T = a+1 <= max_m), then k-1 single steps, each on the last proposal and the last g at the next
+        position. -> target-vocab ids [1,k], the ids k draft_decode calls would propose. One call instead of
+        k keeps the runtime's per-call cost (inputs, outputs, the switch between methods) out of all but one
+        draft step; the lm_head runs on the rows whose argmax is read, one per step."""
+        g = self.draft.hidden(tokens, feature, input_pos)[:, -1:]
+        ids = [self.draft.to_target(torch.argmax(self.draft.logits(g), dim=-1))]
+        pos = input_pos[-1:]
+        for _ in range(k - 1):
+            pos = pos + 1
+            g = self.draft.hidden(ids[-1], g, pos)
+            ids.append(self.draft.to_target(torch.argmax(self.draft.logits(g), dim=-1)))
+        return torch.cat(ids, dim=1)
 
     def reset(self) -> None:
         self.target.reset_cache()

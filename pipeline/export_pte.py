@@ -13,12 +13,16 @@ Vd = draft vocab). Every method returns a list, in this order:
     target_verify_exact  as target_verify, attending through eagle3::exact_sdpa (exact mode)               [2, max_m]
     target_decode   tokens[1,1], input_pos[1]                         ids[1,1], logits[1,1,V]                      1 (the K=0 baseline)
     draft_decode    tokens[1,T], feature[1,T,H], input_pos[T]         ids[1,T] (TARGET vocab), g[1,T,H], logits[1,T,Vd]   [1, max(max_prefill_chunk, max_m)]
+    draft_chain_<k> tokens[1,T], feature[1,T,H], input_pos[T]         ids[1,k] (TARGET vocab)                      [1, max_m]
+                    one per K = k in [1, max_m-1] with draft_chains=True (export.draft_chains): a greedy
+                    round's draft in one call (draft_decode's seeding on the T rows, then k-1 single steps on
+                    its own proposals; Speculator.draft_chain)
 
 Shared state. The methods are traced from thin wrapper modules that all hold the SAME Speculator under the
-same attribute name, so every KV-cache buffer has one fully qualified name in all five graphs. With
+same attribute name, so every KV-cache buffer has one fully qualified name in every graph. With
 `MemoryPlanningPass(share_mutable_buffers=True)` and `emit_mutable_buffer_names=True` each name is planned
 once for the whole program: prefill, target_verify(_exact) and target_decode read and write one target cache,
-draft_decode owns the draft cache. State lives as long as the loaded program; a second
+draft_decode and the draft_chain_<k> own the draft cache. State lives as long as the loaded program; a second
 `Runtime.load_program` starts from a fresh arena (zeros in the Python runtime; the causal mask hides
 every slot that was not written, and later writes overwrite rejected slots, so nothing needs a reset).
 
@@ -76,7 +80,7 @@ passes it. A model with an attention soft-cap (no such option in custom_sdpa) ke
 (models.layers.load_llama_ops; runner.engine.PteEngine does it).
 
 Stored once. Every weight is one range of the file, however many methods, models and consumers read it.
-Equal constants of the five methods share one constant-segment entry (the emitter keys them by content),
+Equal constants of the methods share one constant-segment entry (the emitter keys them by content),
 and equal delegate weights share one named-data entry (XNNPACK keys them by sha256). The token embedding
 is the largest table (Gemma 3 270M: 262,144 x 640 fp32, 671 MB, most of the weights) and has three
 readers: the target's lookup and the draft's (one Parameter, models.Speculator), which run outside the
@@ -114,6 +118,7 @@ from tqdm.auto import tqdm
 
 from kernels.rule import SMALL_M_LIMIT, use_small_m
 from models import quiet
+from models.speculator import chain_methods
 from pipeline.pte_segments import data_layout, share_constant_bytes
 
 log = logging.getLogger(__name__)
@@ -121,7 +126,6 @@ log = logging.getLogger(__name__)
 BACKENDS = ("portable", "xnnpack")
 QUANTS = ("none", "int4", "int4_draft")
 TARGET_METHODS = ("prefill", "target_verify", "target_verify_exact", "target_decode")
-METHODS = TARGET_METHODS + ("draft_decode",)
 
 
 # --- the dispatch rule ---------------------------------------------------------------------------------
@@ -158,8 +162,10 @@ def windows(ec) -> dict:
 
 
 def check_export_args(*, max_m: int, default_chain: int, min_prefill_chunk: int, max_prefill_chunk: int,
-                      max_seq_len: int, backend: str, quant: str, group_size: int) -> None:
+                      max_seq_len: int, backend: str, quant: str, group_size: int, draft_chains: bool = True) -> None:
     """Every refusal that does not need the model, raised before any tracing or lowering."""
+    if not isinstance(draft_chains, bool):
+        raise ValueError(f"export.draft_chains={draft_chains!r}: expected true or false")
     if backend not in BACKENDS:
         raise ValueError(f"export.backend={backend!r}: supported backends are {BACKENDS}")
     if quant not in QUANTS:
@@ -207,6 +213,16 @@ class _DraftDecode(nn.Module):
         return self.speculator.draft_decode(tokens, feature, input_pos)
 
 
+class _DraftChain(nn.Module):
+    def __init__(self, speculator: nn.Module, k: int):
+        super().__init__()
+        self.speculator = speculator
+        self.k = k
+
+    def forward(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor):
+        return self.speculator.draft_chain(tokens, feature, input_pos, self.k)
+
+
 def _tokens(T: int):
     return torch.zeros(1, T, dtype=torch.int64), torch.arange(T, dtype=torch.int64)
 
@@ -220,8 +236,9 @@ def _sample(lo: int, hi: int) -> int:
     return hi if lo == hi else max(lo, 2)
 
 
-def method_specs(*, max_m: int, min_prefill_chunk: int, max_prefill_chunk: int, hidden: int) -> dict:
-    """{method: (wrapper factory, example args, dynamic_shapes, (T min, T max))}."""
+def method_specs(*, max_m: int, min_prefill_chunk: int, max_prefill_chunk: int, hidden: int,
+                 draft_chains: bool = True) -> dict:
+    """{method: (wrapper factory, example args, dynamic_shapes, (T min, T max))}; the draft_chain_<k> when asked."""
     t_draft = max(max_prefill_chunk, max_m)
     specs = {}
     for name, (lo, hi) in {"prefill": (min_prefill_chunk, max_prefill_chunk), "target_verify": (2, max_m),
@@ -234,6 +251,12 @@ def method_specs(*, max_m: int, min_prefill_chunk: int, max_prefill_chunk: int, 
     tokens, pos = _tokens(T)
     specs["draft_decode"] = (_DraftDecode, (tokens, torch.zeros(1, T, hidden), pos),
                              ({1: d}, {1: d}, {0: d}), (1, t_draft))
+    T = _sample(1, max_m)
+    tokens, pos = _tokens(T)
+    for k, name in enumerate(chain_methods(max_m) if draft_chains else (), start=1):
+        d = _dim(f"T_{name}", 1, max_m)
+        specs[name] = (lambda s, k=k: _DraftChain(s, k), (tokens, torch.zeros(1, T, hidden), pos),
+                       ({1: d}, {1: d}, {0: d}), (1, max_m))
     return specs
 
 
@@ -580,7 +603,7 @@ def share_weights(program, seen: dict) -> int:
 
 def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "none", group_size: int = 32,
-               out_path: Path | str, manifest_hash: str, progress: bool = True,
+               out_path: Path | str, manifest_hash: str, progress: bool = True, draft_chains: bool = True,
                attention: str = "llama_ops", fc_norms: bool = True, scratch: Path | None = None) -> dict:
     """Lower `speculator` (a models.Speculator) into one .pte at `out_path`; return a JSON-able report.
 
@@ -604,7 +627,7 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     max_seq_len = target.cfg.max_seq_len
     check_export_args(max_m=max_m, default_chain=default_chain, min_prefill_chunk=min_prefill_chunk,
                       max_prefill_chunk=max_prefill_chunk, max_seq_len=max_seq_len, backend=backend,
-                      quant=quant, group_size=group_size)
+                      quant=quant, group_size=group_size, draft_chains=draft_chains)
     if draft.cfg.max_seq_len < max_seq_len:
         raise ValueError(f"draft cache max_seq_len={draft.cfg.max_seq_len} < target max_seq_len={max_seq_len}: "
                          f"draft_decode would run past its cache; load the draft with the target's max_seq_len")
@@ -614,7 +637,8 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
 
     attention = pick_attention(speculator, attention)
     t_start = time.perf_counter()
-    report: dict = {"backend": backend, "quant": quant, "attention": attention, "fc_norms": fc_norms, "max_m": max_m, "default_chain": default_chain,
+    report: dict = {"backend": backend, "quant": quant, "attention": attention, "fc_norms": fc_norms, "max_m": max_m,
+                    "default_chain": default_chain, "draft_chains": draft_chains,
                     "min_prefill_chunk": min_prefill_chunk, "max_prefill_chunk": max_prefill_chunk,
                     "max_seq_len": max_seq_len, "manifest_hash": manifest_hash}
     speculator.eval()
@@ -629,7 +653,7 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
         log.info("int4 (8da4w, group %d) applied; linears left fp32: %s", group_size, report["fp32_linears"] or "none")
 
     specs = method_specs(max_m=max_m, min_prefill_chunk=min_prefill_chunk, max_prefill_chunk=max_prefill_chunk,
-                         hidden=draft.cfg.hidden_size)
+                         hidden=draft.cfg.hidden_size, draft_chains=draft_chains)
     report["t_range"] = {name: list(spec[3]) for name, spec in specs.items()}
     compile_config = EdgeCompileConfig(_check_ir_validity=False)
     lowered, timings, resumed = {}, {}, []

@@ -330,6 +330,7 @@ def check_config(cfg: DictConfig) -> None:
                    "global batch, split among them)")
 
     max_m = c.get("export.max_m") if c.int_in("export.max_m", 2) else None
+    c.choice("export.draft_chains", (True, False))
     # default_chain `auto` (pipeline.hardware) is at most DEFAULT_CHAIN; it is checked as itself once resolved
     chain_ok = c.get("export.default_chain") == "auto" or c.int_in("export.default_chain", 1)
     ints = [chain_ok, c.int_in("export.max_prefill_chunk", 1),

@@ -7,8 +7,10 @@ An engine exposes the methods of the exported program (docs/design.md §2) under
     target_verify(tokens[1,T], input_pos[T])        -> (ids [1,T], feature [1,T,H], logits [1,T,V])
     target_decode(tokens[1,1], input_pos[1])        -> (ids [1,1], logits [1,1,V])
     draft_decode(tokens[1,T], feature[1,T,H], input_pos[T]) -> (ids [1,T] target vocab, g [1,T,H], logits [1,T,Vd])
+    draft_chain(k, tokens[1,T], feature[1,T,H], input_pos[T]) -> ids [1,k] target vocab (the program's draft_chain_<k>)
 
-prefill and target_verify share the target KV cache; target_decode uses it too; draft_decode owns the draft cache.
+prefill and target_verify share the target KV cache; target_decode uses it too; draft_decode and draft_chain own
+the draft cache.
 Every method writes its K/V at `input_pos` and attends to `key_pos <= query_pos`, so a caller never rolls
 back: a later call at the same positions overwrites stale slots, and slots beyond the query are masked.
 
@@ -39,6 +41,7 @@ from typing import Protocol
 import torch
 
 from models import quiet
+from models.speculator import chain_methods
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"  # the store's (pipeline/store.py): {"files": {relative path: sha256}, ...}
@@ -57,7 +60,10 @@ PROGRAM_METHODS = ("prefill", "target_verify", "target_verify_exact", "target_de
 
 
 class Engine(Protocol):
-    """The methods above, `meta`, and one optional capability: device rounds.
+    """The methods above, `meta`, and two optional capabilities: chain calls and device rounds.
+
+    An engine whose `draft_chains` is True drafts a greedy round's K proposals in one `draft_chain` call (the
+    .pte's draft_chain_<k>, the eager Speculator.draft_chain); the loop then reseeds the draft in that call.
 
     An engine whose `device_rounds` is True runs a whole greedy round at a static K itself, on its device with
     one synchronisation (runner.cuda_engine): `begin_rounds(first_id, g)` once after the draft is seeded with
@@ -67,6 +73,7 @@ class Engine(Protocol):
     """
 
     meta: dict
+    draft_chains: bool = False
     device_rounds: bool = False
 
     def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor): ...
@@ -74,6 +81,9 @@ class Engine(Protocol):
     def target_decode(self, tokens: torch.Tensor, input_pos: torch.Tensor): ...
     def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor): ...
     def reset(self) -> None: ...
+
+    def draft_chain(self, k: int, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor):
+        raise NotImplementedError(f"{type(self).__name__} makes no chain calls (draft_chains is False)")
 
     def begin_rounds(self, first_id: int, g: torch.Tensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} runs no device rounds (device_rounds is False)")
@@ -250,10 +260,13 @@ class PteEngine(Engine):
         if missing:
             raise ValueError(f"{self.path} lacks the methods {missing} (it has {sorted(names)}); "
                              f"re-export it with the export stage")
-        with quiet.native_stderr():  # the first delegate init probes the CPU and reports ARM-only files
-            self._methods = {name: self.program.load_method(name) for name in PROGRAM_METHODS}
-        self._calls = {name: method._method for name, method in self._methods.items()}  # the pybind methods
         self.meta = {key: _scalar(self._constant(method)[0]) for key, method in CONSTANT_METHODS.items()}
+        chains = chain_methods(self.meta["max_m"])
+        self.draft_chains = all(m in names for m in chains)  # export.draft_chains
+        methods = PROGRAM_METHODS + (chains if self.draft_chains else ())
+        with quiet.native_stderr():  # the first delegate init probes the CPU and reports ARM-only files
+            self._methods = {name: self.program.load_method(name) for name in methods}
+        self._calls = {name: method._method for name, method in self._methods.items()}  # the pybind methods
         self.meta["manifest_hash"] = str(self._constant("get_manifest_hash")[0])  # 64 hex chars (sha256)
         self.meta["d2t"] = self._constant("get_d2t")[0].to(torch.long).clone()
         self.meta["sliding_window"] = self.meta["sliding_window"] or None
@@ -290,6 +303,9 @@ class PteEngine(Engine):
     def draft_decode(self, tokens, feature, input_pos):
         return self._run("draft_decode", tokens, feature, input_pos)
 
+    def draft_chain(self, k, tokens, feature, input_pos):
+        return self._run(f"draft_chain_{k}", tokens, feature, input_pos)[0]
+
     def reset(self) -> None:
         """Nothing to do: the loop writes every position it attends to, from 0, before reading it, and the mask
         hides slots beyond the query. (A fresh cache would need a second load_program.)"""
@@ -318,7 +334,7 @@ def fixed_width(target_verify, width: int):
 
 
 class ExactEngine(Engine):
-    """Exact mode (`runtime.exact`) over the .pte or the eager modules: every K gives K=0's tokens bit for bit.
+    """Exact mode (`engine.exact`) over the .pte or the eager modules: every K gives K=0's tokens bit for bit.
 
     A row's logits otherwise depend on the call it is in, in two ways, and an int4 target (8da4w rounds every
     linear's input to int8 per row) turns a 1e-7 difference into a whole step, so near ties flip:
@@ -339,12 +355,16 @@ class ExactEngine(Engine):
         self.meta = {**engine.meta, "max_m": width, "max_seq_len": engine.meta["max_seq_len"] - (width - 1),
                      "default_chain": min(engine.meta["default_chain"], width - 1), "exact_width": width}
         self.target_decode, self.target_verify = fixed_width(engine.target_verify_exact, width)
+        self.draft_chains = engine.draft_chains
 
     def prefill(self, tokens, input_pos):
         return self.inner.prefill(tokens, input_pos)
 
     def draft_decode(self, tokens, feature, input_pos):
         return self.inner.draft_decode(tokens, feature, input_pos)
+
+    def draft_chain(self, k, tokens, feature, input_pos):
+        return self.inner.draft_chain(k, tokens, feature, input_pos)
 
     def reset(self) -> None:
         self.inner.reset()
@@ -373,6 +393,8 @@ class EagerEngine(Engine):
     """`models.Speculator` run eagerly on `device` (CPU, or CUDA where the kernels plug in). Inputs and
     outputs are CPU tensors, like the .pte's. The prefill/verify bounds default to the export stage's."""
 
+    draft_chains = True
+
     def __init__(self, speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                  min_prefill_chunk: int = 1, device: str | torch.device = "cpu", manifest_hash: str = ""):
         self.device = torch.device(device)
@@ -400,6 +422,9 @@ class EagerEngine(Engine):
 
     def draft_decode(self, tokens, feature, input_pos):
         return self._run(self.spec.draft_decode, tokens, feature, input_pos)
+
+    def draft_chain(self, k, tokens, feature, input_pos):
+        return self._run(lambda *x: (self.spec.draft_chain(*x, k),), tokens, feature, input_pos)[0]
 
     def reset(self) -> None:
         self.spec.reset()

@@ -10,6 +10,9 @@ it is not yet in the target KV cache and is re-fed as row 0 of the next verify w
             emit(new); reseed the draft with (new, Fv[:a+1]) at P..P+a, then K-1 single steps feeding back g
             anchor = vids[a]; P += a + 1
 
+A greedy round on an engine with chain calls (the .pte's draft_chain_<k>) drafts in one call: the reseed and
+the K-1 steps run inside the program, so a round is two calls, draft_chain_<K> and target_verify (`Draft`).
+
 Draft position i pairs token x[i+1] with the feature of target position i and predicts x[i+2]. Rejected
 slots are never rolled back: the next verify window starts at P+a+1 and overwrites them, and the causal
 mask hides them until then. Reseeding replaces the draft's speculative (g-fed) cache entries with
@@ -45,7 +48,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runner.policy import POLICIES, AdaptiveChain, StaticChain
+from models.choices import POLICIES
+from runner.policy import AdaptiveChain, StaticChain
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +298,12 @@ def prefill(engine, prompt: list[int], *, features: bool) -> Prefilled:
 
 class Draft:
     """Proposals of one round: target-vocab ids, and (when sampling) the draft's distribution over the
-    target vocab at each proposal, q[j] [V]."""
+    target vocab at each proposal, q[j] [V].
+
+    Greedy on an engine with chain calls (`draft_chains`), a round's draft is one call: `seed` feeds all but
+    the last max_m rows at once and keeps those (a round's reseed: all a+1 of them) for `propose(k)`, whose
+    draft_chain_<k> seeds on them and takes the k-1 steps in the program. Otherwise `seed` feeds every row and
+    proposes the first token, and `propose` takes k-1 draft_decode steps, one call each."""
 
     def __init__(self, engine, sampler: Sampler, inputs: Inputs):
         self.engine, self.sampler, self.inputs = engine, sampler, inputs
@@ -303,6 +312,8 @@ class Draft:
         self.d2t = meta["d2t"]
         self.target_ids = torch.arange(self.d2t.numel()) + self.d2t  # draft id -> target id
         self.vocab = meta["vocab_size"]
+        self.in_chain = engine.draft_chains and sampler.greedy
+        self.pending = None  # (tokens, features, start) the next draft_chain call seeds on
 
     def _propose(self, ids: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if self.sampler.greedy:
@@ -311,8 +322,20 @@ class Draft:
         q = torch.zeros(self.vocab, dtype=q_draft.dtype).index_add_(0, self.target_ids, q_draft)
         return int(self.target_ids[self.sampler.draw(q_draft)]), q
 
-    def seed(self, tokens: list[int], features: torch.Tensor, start: int):
-        """Feed (tokens[i], features[0, i]) at positions start+i, in chunks; returns the first proposal."""
+    def seed(self, tokens: list[int], features: torch.Tensor, start: int) -> None:
+        """Feed (tokens[i], features[0, i]) at positions start+i (in chunks), or keep the last rows for the
+        round's chain call (class docstring)."""
+        n = len(tokens)
+        if self.in_chain:
+            keep = min(n, self.inputs.n)
+            if n > keep:
+                self._feed(tokens[:n - keep], features[:, :n - keep], start)
+            self.pending = (tokens[n - keep:], features[:, n - keep:], start + n - keep)
+        else:
+            self.first = self._propose(*self._feed(tokens, features, start))
+
+    def _feed(self, tokens: list[int], features: torch.Tensor, start: int):
+        """draft_decode over the rows -> the last call's (ids, logits); keeps the last row's g."""
         n = len(tokens)
         if n <= self.inputs.n:  # a round's reseed (a + 1 rows): one call on the reused inputs
             tok, pos = self.inputs(tokens, start)
@@ -322,11 +345,16 @@ class Draft:
                 m = min(self.max_t, n - s)
                 ids, g, logits = self.engine.draft_decode(_t(tokens[s:s + m]), features[:, s:s + m], _pos(start + s, m))
         self.g, self.next_pos = g[:, -1:], start + n
-        return self._propose(ids, logits)
+        return ids, logits
 
-    def chain(self, first, k: int) -> tuple[list[int], list]:
-        """K proposals: the seeded one, then K-1 single steps (token = last proposal, feature = last g)."""
-        props, qs = [first[0]], [first[1]]
+    def propose(self, k: int) -> tuple[list[int], list]:
+        """K proposals (and their q when sampling): one chain call, or the seeded proposal then K-1 single
+        steps (token = last proposal, feature = last g)."""
+        if self.in_chain:
+            tokens, features, start = self.pending
+            tok, pos = self.inputs(tokens, start)
+            return self.engine.draft_chain(k, tok, features, pos).tolist()[0], [None] * k
+        props, qs = [self.first[0]], [self.first[1]]
         for _ in range(k - 1):
             tokens, pos = self.inputs(props[-1:], self.next_pos)
             ids, self.g, logits = self.engine.draft_decode(tokens, self.g, pos)  # T = 1: g is [1, 1, H]
@@ -398,13 +426,13 @@ def target_step(engine, sampler: Sampler, inputs: Inputs, anchor: int, P: int) -
     return [sampler.next_token(ids.tolist()[0][0], logits.reshape(-1))]
 
 
-def speculative_round(engine, draft: Draft, sampler: Sampler, inputs: Inputs, first, anchor: int, P: int,
+def speculative_round(engine, draft: Draft, sampler: Sampler, inputs: Inputs, anchor: int, P: int,
                       k: int) -> tuple[list[int], torch.Tensor, float, float]:
     """Draft K proposals, verify [anchor] + props at P..P+K in ONE target forward, accept a leading run.
     Returns new = props[:a] + [correction or bonus], verify's features [1, K+1, H] (to reseed the draft), and
     the ms of the draft steps and of the verify call."""
     t0 = time.perf_counter()
-    props, qs = draft.chain(first, k)
+    props, qs = draft.propose(k)
     t1 = time.perf_counter()
     vids, fv, logits = engine.target_verify(*inputs([anchor] + props, P))
     t2 = time.perf_counter()
@@ -469,11 +497,11 @@ def generate(
     inputs = Inputs(meta["max_m"])
     if k_max > 0 and not out.done:
         draft = Draft(engine, sampler, inputs)
-        first = draft.seed(prompt[1:] + [anchor], pre.features[None], 0)
+        draft.seed(prompt[1:] + [anchor], pre.features[None], 0)
         chooser = (AdaptiveChain(meta["max_m"] - 1, k_max, window_costs=window_costs)
                    if policy == "adaptive" else StaticChain(k_max))
         if on_device:
-            engine.begin_rounds(first[0], draft.g)
+            engine.begin_rounds(draft.first[0], draft.g)
     result.prefill_ms = (time.perf_counter() - t0) * 1e3
 
     t_decode = time.perf_counter()
@@ -494,14 +522,14 @@ def generate(
                 new = target_step(engine, sampler, inputs, anchor, P)
                 verify_ms = (time.perf_counter() - t_round) * 1e3
             else:
-                new, fv, draft_ms, verify_ms = speculative_round(engine, draft, sampler, inputs, first, anchor, P, k)
+                new, fv, draft_ms, verify_ms = speculative_round(engine, draft, sampler, inputs, anchor, P, k)
             a = len(new) - 1
 
             n = out.emit(new)  # up to the first stop token, within the budget
             anchor, P = new[-1], P + a + 1
             if k > 0 and not out.done and not on_device:  # reseed the draft from verify's features (no rollback)
                 t_seed = time.perf_counter()
-                first = draft.seed(new, fv[:, : a + 1], P - a - 1)
+                draft.seed(new, fv[:, : a + 1], P - a - 1)
                 draft_ms += (time.perf_counter() - t_seed) * 1e3
                 # the policy prices a round as the loop pays it: everything but the verify call is the draft's
                 chooser.update(k, a, verify_ms, (time.perf_counter() - t_round) * 1e3 - verify_ms)

@@ -8,7 +8,6 @@ a fact of the draft's per-position acceptance and lives in models.draft, where t
 
 from __future__ import annotations
 
-from models.choices import POLICIES  # noqa: F401  (runner.generate reads the names from here)
 from models.draft import predicted_tau
 
 

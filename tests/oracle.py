@@ -31,3 +31,13 @@ class Oracle:
             ids[0, -1] = self.seq[i] if not self.wrong(self.j) else (self.seq[i] + 1) % self.meta["vocab_size"]
         self.j += 1
         return ids, g, logits
+
+    def draft_chain(self, k, tokens, feature, input_pos):
+        """A round's k proposals in one call (runner.engine.Engine.draft_chain): proposal j at position
+        input_pos[-1] + j, replaced as draft_decode's are."""
+        ids = self.engine.draft_chain(k, tokens, feature, input_pos).clone()
+        for j in range(k):
+            i = int(input_pos[-1]) + j + 2
+            if i < len(self.seq):
+                ids[0, j] = self.seq[i] if not self.wrong(j) else (self.seq[i] + 1) % self.meta["vocab_size"]
+        return ids

@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from models import Speculator, load_target, save_speculators, save_target, tiny_draft, tiny_target
+from models.speculator import chain_methods
 from pipeline.store import Artifact
 from pipeline.stages import export as export_stage
 from pipeline import export_pte as export_lib
@@ -88,7 +89,9 @@ def exported(request, pair, tmp_path_factory):
             vocab_size=spec.target.cfg.vocab_size, draft_vocab_size=spec.draft.cfg.draft_vocab_size,
             max_seq_len=spec.target.cfg.max_seq_len, manifest_hash=t.report["manifest_hash"])
     out = tmp_path_factory.mktemp(f"export_{backend}_{quant}")
-    report = export_stage.run(export_cfg(backend=backend, quant=quant), {"target": pair[0], "draft": pair[1]}, out)
+    # the chains (most of an export's lowering) on the default quantisation and on fp32
+    cfg = export_cfg(backend=backend, quant=quant, draft_chains=quant != "int4")
+    report = export_stage.run(cfg, {"target": pair[0], "draft": pair[1]}, out)
     facts = export_stage.pairing_facts(pair[0].path, pair[1].path, eager(pair))
     return types.SimpleNamespace(
         path=out / export_stage.PTE, report=report, backend=backend, quant=quant, eager=lambda: eager(pair, quant),
@@ -196,6 +199,39 @@ def test_draft_decode_matches_eager_seed_then_single_steps(exported):
     assert bool(spec.draft.t2d[got[0]].all()), "draft_decode must return TARGET-vocab ids (d2t applied)"
 
 
+def test_draft_chain_proposes_what_single_draft_decode_steps_propose(exported):
+    """draft_chain_<k> is a round's draft in one call: seeding on T rows, then k-1 single steps on its own
+    proposals. For every k, at a seed width drawn afresh, the program's chain gives the ids of its own
+    draft_decode calls, and the eager Speculator's chain those of its own steps."""
+    x = exported
+    if not x.report["draft_chains"]:
+        pytest.skip("exported without draft_chain_<k> (export.draft_chains=false)")
+    prog, spec = program(x.path), x.eager()
+    widths = torch.randint(1, x.max_m + 1, (x.max_m - 1,)).tolist()
+
+    def steps(decode, rows, feats, start, k):
+        ids, g, _ = decode(rows, feats, pos(start, 16))
+        out = [ids[:, -1:]]
+        for p in range(16, 16 + k - 1):
+            ids, g, _ = decode(out[-1], g[:, -1:], pos(p, p + 1))
+            out.append(ids)
+        return torch.cat(out, dim=1)
+
+    with torch.no_grad():
+        _, feature, _ = spec.prefill(PROMPT[:, :16], pos(0, 16))
+        for k, T in zip(range(1, x.max_m), widths):
+            start = 16 - T
+            rows, feats = PROMPT[:, start + 1:17], feature[:, start:16]
+            for decode in (lambda *a: call(prog, "draft_decode", *a), spec.draft_decode):
+                if start:  # the draft cache holds the positions before the seed rows
+                    decode(PROMPT[:, 1:start + 1], feature[:, :start], pos(0, start))
+            want = steps(lambda *a: call(prog, "draft_decode", *a), rows, feats, start, k)
+            (got,) = call(prog, f"draft_chain_{k}", rows, feats, pos(start, 16))
+            assert got.shape == (1, k) and torch.equal(got, want), (k, T, got, want)
+            want = steps(spec.draft_decode, rows, feats, start, k)
+            assert torch.equal(spec.draft_chain(rows, feats, pos(start, 16), k), want), (k, T)
+
+
 def test_window_above_max_m_is_refused_by_the_runtime(exported):
     M = exported.max_m
     prog = program(exported.path)
@@ -223,10 +259,13 @@ def test_constant_methods_read_back(exported):
     assert x.report["t_range"]["target_verify"] == [2, x.max_m]
     assert x.report["t_range"]["prefill"] == [x.min_prefill_chunk, x.max_prefill_chunk]
     assert x.report["t_range"]["draft_decode"] == [1, max(x.max_prefill_chunk, x.max_m)]
-    assert set(x.report["ops_outside_delegate"]) == set(export_lib.METHODS)
+    chains = chain_methods(x.max_m) if x.report["draft_chains"] else ()
+    methods = export_lib.TARGET_METHODS + ("draft_decode",) + chains
+    assert set(x.report["ops_outside_delegate"]) == set(methods)
+    assert all(x.report["t_range"][m] == [1, x.max_m] for m in chains)
     assert x.report["attention"] == "llama_ops" and x.report["fc_norms"] is True
     if x.backend == "xnnpack":
-        assert all(x.report["delegate_calls"][m] > 0 for m in export_lib.METHODS)
+        assert all(x.report["delegate_calls"][m] > 0 for m in methods)
 
 
 def test_only_the_cache_and_attention_ops_stay_outside_xnnpack_per_layer(exported):
@@ -238,6 +277,7 @@ def test_only_the_cache_and_attention_ops_stay_outside_xnnpack_per_layer(exporte
     if x.backend != "xnnpack":
         pytest.skip("the portable program has no delegate")
     n_layers = {"prefill": 2, "target_verify": 2, "target_verify_exact": 2, "target_decode": 2, "draft_decode": 1}
+    n_layers |= {name: k for k, name in enumerate(chain_methods(x.max_m), start=1)}  # one draft layer per step
     for method, listing in x.report["ops_outside_delegate"].items():
         ops = dict(item.rsplit(" x", 1) for item in listing)
         ours, theirs = "eagle3.exact_sdpa.default", "llama.custom_sdpa.default"

@@ -83,6 +83,43 @@ def test_pte_and_eager_engines_give_the_same_tokens(pte, eager):
             assert generate(eager, PROMPT[:n], chain=k, max_new_tokens=20).output_ids == a, (n, k)
 
 
+class Counted:
+    """`engine` with its draft_decode and draft_chain calls counted, and its chain calls off unless `chains`."""
+
+    def __init__(self, engine, chains: bool):
+        self.engine, self.meta, self.draft_chains, self.calls = engine, engine.meta, chains, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def draft_decode(self, *inputs):
+        self.calls.append("draft_decode")
+        return self.engine.draft_decode(*inputs)
+
+    def draft_chain(self, k, *inputs):
+        self.calls.append(f"draft_chain_{k}")
+        return self.engine.draft_chain(k, *inputs)
+
+
+def test_a_greedy_round_drafts_in_one_chain_call_proposing_what_single_steps_propose(pte):
+    """With the program's draft_chain_<k>, a round's draft is one call (the prompt's seeding aside); every
+    round accepts what the round drafted step by step accepts, so the proposals were the same. Prompt
+    lengths under, at and past max_m rows (the rows a chain call seeds on)."""
+    m = pte.meta["max_m"]
+    for n, k in ((3, 1), (m, m - 1), (25, int(torch.randint(2, m, ())))):
+        one, steps = Counted(pte, chains=True), Counted(pte, chains=False)
+        seq = PROMPT[:n] + generate(pte, PROMPT[:n], chain=0, max_new_tokens=20).output_ids
+        got = generate(Oracle(one, seq, wrong=lambda j: j == 2), PROMPT[:n], chain=k, max_new_tokens=20)
+        want = generate(Oracle(steps, seq, wrong=lambda j: j == 2), PROMPT[:n], chain=k, max_new_tokens=20)
+        assert got.output_ids == want.output_ids == seq[n:] and got.accepted == want.accepted, (n, k)
+        chains = [c for c in one.calls if c.startswith("draft_chain")]
+        assert len(chains) == got.rounds - (got.chain_per_round[-1] == 0) and set(chains) <= {
+            f"draft_chain_{j}" for j in range(1, k + 1)}, (n, k, one.calls)
+        chunk = max(pte.meta["max_prefill_chunk"], m)  # the prompt's rows before the last max_m, in chunks
+        assert one.calls.count("draft_decode") == -(-max(n - m, 0) // chunk), (n, one.calls)
+        assert steps.calls.count("draft_decode") >= got.rounds and "draft_chain_1" not in steps.calls
+
+
 def test_sampling_on_the_pte_is_seeded(pte):
     run = lambda seed: generate(pte, PROMPT[:8], chain=3, temperature=1.0, seed=seed, max_new_tokens=20).output_ids  # noqa: E731
     assert run(5) == run(5)

@@ -36,9 +36,9 @@ from pipeline.store import building, hash_tree, scratch_dir
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 7  # 2: get_sliding_window is a required constant method; 3: the llama_ops / fc-norm graph;
+SCHEMA_VERSION = 8  # 2: get_sliding_window is a required constant method; 3: the llama_ops / fc-norm graph;
 # 4: target_verify_exact (exact mode); 5: an int4 target's groups carry offsets; 7: the exact call attends
-# through eagle3::exact_sdpa (6 was a matmul attention, tried and dropped)
+# through eagle3::exact_sdpa (6 was a matmul attention, tried and dropped); 8: draft_chain_<k>
 UPSTREAM = ("target", "draft")
 CONFIG_KEYS = ("export",)
 
@@ -56,7 +56,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     ec = cfg.export
     target_art, draft_art = upstream["target"], upstream["draft"]
     args = dict(windows(ec), backend=str(ec.backend), quant=str(ec.get("quant", "none")),
-                group_size=int(ec.get("group_size", 32)))
+                group_size=int(ec.get("group_size", 32)), draft_chains=bool(ec.get("draft_chains", True)))
     max_m = args["max_m"]
     target_config = json.loads((Path(target_art.path) / "config.json").read_text())
     check_export_args(max_seq_len=int(target_config["max_seq_len"]), **args)
