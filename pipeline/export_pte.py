@@ -601,6 +601,51 @@ def share_weights(program, seen: dict) -> int:
     return freed
 
 
+# --- lowering in parallel ------------------------------------------------------------------------------
+def lowering_workers() -> int:
+    """Processes that lower methods at once: the cores this process may use, at most 4 (each holds one method's
+    lowered copy: about 4 GB for Gemma 3 270M's fp32 target methods)."""
+    from models.threads import usable_cores
+
+    return max(1, min(usable_cores(), 4))
+
+
+def _lowering_cost(name: str) -> int:
+    """A method's lowering time in draft steps' worth (measured on the embedded default: a target method of 8
+    layers ~20 s, a draft step ~4.5 s), so the longest start first and the workers finish together."""
+    if name.startswith("draft_chain_"):
+        return 1 + int(name.rsplit("_", 1)[1])
+    return 2 if name in ("draft_decode", "target_decode") else 4
+
+
+_fork_work = None  # lower_in_forks' function: set before the fork, so the workers inherit it and nothing is pickled
+
+
+def _in_fork(name: str):
+    _, took = _fork_work(name)
+    return took
+
+
+def lower_in_forks(lower, names: list[str], workers: int):
+    """Yield the timings of `lower(name)` for every name, run in `workers` forked processes at once (each lowering
+    one method at a time, longest first, and saving it to the scratch dir, which the caller then loads). A fork
+    inherits the traced modules as they are, so nothing is pickled; each worker runs torch at one thread
+    (lowering is Python). A failed method raises here, naming it."""
+    import multiprocessing
+    import warnings
+
+    global _fork_work
+    _fork_work = lower
+    try:
+        with warnings.catch_warnings():  # "use of fork() may lead to deadlocks": the workers start no threads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pool = multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,))
+        with pool:
+            yield from pool.imap_unordered(_in_fork, names)
+    finally:
+        _fork_work = None
+
+
 def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "none", group_size: int = 32,
                out_path: Path | str, manifest_hash: str, progress: bool = True, draft_chains: bool = True,
@@ -617,7 +662,9 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     share: save_lowered) and the program is emitted from the saved methods, so a run that was killed
     lowers again only the methods it had not saved, and its .pte is byte for byte the one an uninterrupted
     run writes (both emit from the same files; a method is the unit: to_edge_transform_and_lower and the
-    partitioner run per method, and exir's serde keeps a lowered one with its delegate payloads).
+    partitioner run per method, and exir's serde keeps a lowered one with its delegate payloads). With a scratch
+    dir the methods are lowered `lowering_workers()` at a time, each in a forked process (`lower_in_forks`):
+    lowering is single-threaded Python, and the draft_chain_<k> make it most of an export.
     """
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
@@ -660,31 +707,45 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     saved = {name: Path(scratch) / f"{name}{LOWERED_SUFFIX}" for name in specs} if scratch is not None else {}
     partitioners = _partitioners(backend)
     bar = tqdm(total=2 * len(specs), desc=f"export {backend}/{quant}", disable=not progress, leave=False)
-    # One method at a time, so progress and the per-method op census are visible, and so a method is the unit
-    # a killed export resumes from; the edge programs are then joined into one manager, whose to_executorch
-    # plans the shared buffers across all of them.
+    # A method is the unit: lowered on its own (in `lowering_workers()` forked processes at once when there is a
+    # scratch dir to hand them over through), censused, and what a killed export resumes from; the edge programs
+    # are then joined into one manager, whose to_executorch plans the shared buffers across all of them.
+
+    def lower(name: str):
+        """torch.export and lower one method (saved to the scratch dir when there is one) -> (program, timings)."""
+        wrap, args, dynamic_shapes, (lo, hi) = specs[name]
+        t0 = time.perf_counter()
+        ep = export(wrap(speculator), args, dynamic_shapes=dynamic_shapes, strict=False)
+        took = {f"export_{name}_s": time.perf_counter() - t0}
+        log.info("torch.export %s (T in [%d, %d]): %.1f s", name, lo, hi, took[f"export_{name}_s"])
+        t0 = time.perf_counter()
+        program = to_edge_transform_and_lower(
+            {name: ep}, partitioner={name: partitioners} if partitioners else None,
+            compile_config=compile_config).exported_program(name)
+        took[f"lower_{name}_s"] = time.perf_counter() - t0
+        if saved:
+            save_lowered(program, saved[name])
+        return program, took
+
     with _tracing_mode(speculator), _export_graph(speculator, attention, fc_norms):
-        for name, (wrap, args, dynamic_shapes, (lo, hi)) in specs.items():
-            if saved and (program := load_lowered(saved[name])) is not None:
-                resumed.append(name)
+        todo = [name for name in specs if not (saved and saved[name].is_file())]
+        workers = min(lowering_workers(), len(todo)) if saved else 1
+        if workers > 1:  # each method lowered in a forked process into the scratch dir; the loop below loads them
+            bar.set_postfix_str(f"lowering {len(todo)} methods in {workers} processes")
+            for took in lower_in_forks(lower, sorted(todo, key=_lowering_cost, reverse=True), workers):
+                timings.update(took)
                 bar.update(2)
+            report["lowering_processes"] = workers
+        for name in specs:
+            if saved and (program := load_lowered(saved[name])) is not None:
+                if name not in todo:  # saved by an earlier, killed export
+                    resumed.append(name)
+                    bar.update(2)
             else:
-                bar.set_postfix_str(f"torch.export {name}")
-                t0 = time.perf_counter()
-                ep = export(wrap(speculator), args, dynamic_shapes=dynamic_shapes, strict=False)
-                timings[f"export_{name}_s"] = time.perf_counter() - t0
-                log.info("torch.export %s (T in [%d, %d]): %.1f s", name, lo, hi, timings[f"export_{name}_s"])
-                bar.update()
                 bar.set_postfix_str(f"lower {name}")
-                t0 = time.perf_counter()
-                program = to_edge_transform_and_lower(
-                    {name: ep}, partitioner={name: partitioners} if partitioners else None,
-                    compile_config=compile_config).exported_program(name)
-                del ep
-                timings[f"lower_{name}_s"] = time.perf_counter() - t0
-                if saved:
-                    save_lowered(program, saved[name])
-                bar.update()
+                program, took = lower(name)
+                timings.update(took)
+                bar.update(2)
             delegates, outside = graph_ops(program)
             listing = [f"{op} x{n}" for op, n in outside.items()]
             report.setdefault("delegate_calls", {})[name] = delegates

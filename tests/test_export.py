@@ -288,7 +288,9 @@ def test_only_the_cache_and_attention_ops_stay_outside_xnnpack_per_layer(exporte
         for op in ("aten.index_put.default", "aten.expand_copy.default", "aten.mean.dim",
                    "aten.view_copy.default", "aten.split_with_sizes_copy.default"):
             assert op not in ops, (method, op, listing)
-        assert x.report["delegate_calls"][method] <= n_layers[method] + 3, (method, x.report["delegate_calls"])
+        # a chain step's argmax (outside) splits its layer's delegate from its lm_head's: two calls a step
+        bound = 2 * n_layers[method] + 1 if method.startswith("draft_chain_") else n_layers[method] + 3
+        assert x.report["delegate_calls"][method] <= bound, (method, x.report["delegate_calls"])
 
 
 # --- the embedding table is stored once --------------------------------------------------------------
@@ -521,8 +523,9 @@ def test_the_export_path_reads_the_dispatch_rule_without_triton():
 
 # --- a killed export resumes (issue 45) --------------------------------------------------------------------
 def test_an_interrupted_export_lowers_only_the_rest_and_writes_the_same_bytes(tiny_pte, tmp_path, monkeypatch):
-    """Each lowered method is kept in the scratch dir: a run that stops after two methods leaves two, the rerun
-    lowers the other two, and its .pte equals, byte for byte, conftest's, exported in one go without scratch."""
+    """Each lowered method is kept in the scratch dir: a run (one process) that stops at the fourth method leaves
+    three, the rerun lowers the rest in two forked processes, and its .pte equals, byte for byte, conftest's,
+    exported in one go without scratch."""
     import executorch.exir
 
     args = dict(max_m=tiny_pte.max_m, default_chain=tiny_pte.default_chain, backend="portable",
@@ -538,6 +541,7 @@ def test_an_interrupted_export_lowers_only_the_rest_and_writes_the_same_bytes(ti
         return real(programs, *a, **kw)
 
     monkeypatch.setattr(executorch.exir, "to_edge_transform_and_lower", lower)
+    monkeypatch.setattr(export_lib, "lowering_workers", lambda: 1)
     lowered.append("interrupt")
     with pytest.raises(KeyboardInterrupt):
         export_lib.export_pte(tiny_pte.speculator(), out_path=tmp_path / "model.pte", **args)
@@ -545,9 +549,13 @@ def test_an_interrupted_export_lowers_only_the_rest_and_writes_the_same_bytes(ti
                                                                       "target_verify.lowered.pt2",
                                                                       "target_verify_exact.lowered.pt2"]
     lowered.clear()
+    monkeypatch.setattr(export_lib, "lowering_workers", lambda: 2)
     report = export_lib.export_pte(tiny_pte.speculator(), out_path=tmp_path / "model.pte", **args)
-    assert lowered == ["target_decode", "draft_decode"], "the rerun lowers only what was not saved"
+    assert not lowered, "the workers lower; this process only loads what they saved"
     assert report["methods_resumed"] == ["prefill", "target_verify", "target_verify_exact"]
+    assert report["lowering_processes"] == 2
+    assert {f"lower_{name}_s" for name in ("target_decode", "draft_decode", *chain_methods(tiny_pte.max_m))} <= set(
+        report["timings"]) and "lower_prefill_s" not in report["timings"], "the rerun lowers only what was not saved"
     assert report["delegate_calls"] == tiny_pte.report["delegate_calls"]
     assert (tmp_path / "model.pte").read_bytes() == tiny_pte.path.read_bytes()
 
