@@ -247,7 +247,7 @@ def check_sdpa(out: dict):
         q_pos = torch.arange(4321, 4321 + M, device="cuda")
         vl = torch.tensor([4900], device="cuda")
         ref = S.sdpa_reference(q.double(), k.double(), v.double(), q_pos, vl)
-        for launch in (dict(), dict(splits=7, block_n=32, warps=8)):
+        for launch in (dict(), dict(split_keys=96, programs=7, block_n=32, warps=8)):
             o = S.launch_sdpa(q, k, v, q_pos, vl, **launch)
             e = rel_err(o, ref)
             worst = max(worst, e) if not math.isnan(e) else float("nan")

@@ -9,18 +9,22 @@ Key j is visible to row m iff j <= q_pos[m] (and j < valid_len, and inside the w
 that is read is [0, end) with end = min(valid_len, max(q_pos) + 1, L), computed on the device, so the
 launch has no host sync and can be captured in a CUDA graph.
 
-Kernel 1 (grid SPLITS x B*Hkv): a program owns one KV head and one of SPLITS equal chunks of [0, L), its
-part of [0, end). The chunk boundaries depend on L alone, so a row's keys meet the same splits and tiles in
-every call, whatever the other rows: its output bits depend on its own position and the cache, which is
-what the engine's exact mode needs (a call's last position moving the boundaries made one SmolLM2 prompt in
-four leave the K = 0 tokens at some K on the H200). A split past `end` stores an empty partial.
-All G*M query rows of that KV head (G heads x M rows, padded to BLOCK_R >= 16) stay resident, so each K/V
-tile is loaded once for every q head and every row: KV traffic is independent of G and M. Online softmax
-in fp32 (exp2 domain) gives a partial (m, l, acc) per row and split. The split count fills one wave of
-programs (see `default_splits`). Kernel 2 (grid B*Hkv x G*M; programmatic dependent launch on the GPU, so
-it is scheduled while kernel 1 runs) merges the splits with a log-sum-exp reduce and writes the output as a
-[B, M, Hq, D] buffer returned as its [B, Hq, M, D] view, so the usual `.transpose(1, 2).reshape(B, M, Hq*D)`
-that follows is free.
+The key range [0, L) is cut into splits of SPLIT_KEYS keys (CONFIG["split_keys"]), split s holding keys
+[s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS). The boundaries are fixed key counts, so a row's keys meet the same splits
+and tiles in every call, whatever the other rows: its output bits depend on its own position and the cache, which
+is what the engine's exact mode needs (a call's last position moving the boundaries made one SmolLM2 prompt in
+four leave the K = 0 tokens at some K on the H200). And the work follows the context, not the cache: only the
+splits below `end` are computed and merged.
+
+Kernel 1 (grid PROGRAMS x B*Hkv): a program owns one KV head and the splits p, p + PROGRAMS, ... below `end`
+(PROGRAMS fills one wave of programs, see `default_programs`; which program computes a split does not change its
+bits). All G*M query rows of that KV head (G heads x M rows, padded to BLOCK_R >= 16) stay resident, so each K/V
+tile is loaded once for every q head and every row: KV traffic is independent of G and M. Online softmax in fp32
+(exp2 domain) gives a partial (m, l, acc) per row and split. Kernel 2 (grid B*Hkv x G*M; programmatic dependent
+launch on the GPU, so it is scheduled while kernel 1 runs) merges a row's own splits (those below its last
+visible key, in order, REDUCE_BLOCK at a time) with a log-sum-exp reduce and writes the output as a [B, M, Hq, D]
+buffer returned as its [B, Hq, M, D] view, so the usual `.transpose(1, 2).reshape(B, M, Hq*D)` that follows is
+free.
 
 `sdpa_reference` is the plain PyTorch definition the tests compare against.
 """
@@ -66,17 +70,17 @@ def sdpa_reference(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float
 
 # ----------------------------------------------------------------------------- kernels
 
-@lazy_jit(do_not_specialize=["M", "SPLITS", "window"])
+@lazy_jit(do_not_specialize=["M", "SPLITS", "PROGRAMS", "window"])
 def _sdpa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, vlen_ptr, ml_ptr, acc_ptr,
                        M, L, qk_scale, window,
                        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kl,
                        stride_vb, stride_vh, stride_vl,
-                       SPLITS, H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                       SPLITS, PROGRAMS, SPLIT_KEYS: tl.constexpr, H_KV: tl.constexpr, G: tl.constexpr,
+                       M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                        HAS_VLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()  # the reduce grid may be scheduled now; it waits for this grid's writes
-    pid_s = tl.program_id(0)
+    pid_p = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
     h = pid_bh % H_KV
@@ -88,9 +92,10 @@ def _sdpa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, vlen_ptr, ml_ptr, acc_ptr,
     end = tl.minimum(tl.max(pos, axis=0) + 1, L)
     if HAS_VLEN:
         end = tl.minimum(end, tl.load(vlen_ptr).to(tl.int32))
-    chunk = tl.cdiv(tl.cdiv(L, SPLITS), BLOCK_N) * BLOCK_N  # boundaries fixed by the cache, not the call
-    start = pid_s * chunk
-    stop = tl.minimum(start + chunk, end)
+    busy = tl.cdiv(end, SPLIT_KEYS)  # splits [0, busy) hold keys of this call; the rest are never touched
+    per = tl.cdiv(busy, PROGRAMS)  # this program's splits: [pid_p * per, +per), in one run of key tiles
+    t_lo = pid_p * per * SPLIT_KEYS
+    t_hi = tl.minimum((pid_p + 1) * per * SPLIT_KEYS, end)
 
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + m[:, None] * stride_qm + d[None, :],
@@ -101,9 +106,16 @@ def _sdpa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, vlen_ptr, ml_ptr, acc_ptr,
     l_i = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, D), tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for n0 in range(0, stop - start, BLOCK_N):  # (offset loop: the interpreter cannot range over loads)
-        j = start + n0 + n
-        j_ok = j < stop
+    # One loop over the tiles of all this program's splits (so the loads stay pipelined across split boundaries);
+    # the state restarts at each split's first tile and is stored after its last: every split computes exactly
+    # what a program of its own would, whichever program runs it.
+    for j0 in range(t_lo, t_hi, BLOCK_N):  # (offset loop: the interpreter cannot range over loads)
+        first = j0 % SPLIT_KEYS == 0
+        m_i = tl.where(first, float("-inf"), m_i)
+        l_i = tl.where(first, 0.0, l_i)
+        acc = tl.where(first, 0.0, acc)
+        j = j0 + n
+        j_ok = j < t_hi
         kt = tl.load(k_base + j[:, None] * stride_kl + d[None, :], mask=j_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(kt)) * qk_scale  # log2 domain
         vis = (j[None, :] <= pos[:, None]) & j_ok[None, :]
@@ -118,17 +130,19 @@ def _sdpa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, vlen_ptr, ml_ptr, acc_ptr,
         vt = tl.load(v_base + j[:, None] * stride_vl + d[None, :], mask=j_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m_i = m_new
-
-    part = pid_bh * SPLITS + pid_s
-    tl.store(ml_ptr + (part * 2) * BLOCK_R + r, m_i)
-    tl.store(ml_ptr + (part * 2 + 1) * BLOCK_R + r, l_i)
-    tl.store(acc_ptr + (part * BLOCK_R + r)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])  # padding: unread
+        if ((j0 + BLOCK_N) % SPLIT_KEYS == 0) | (j0 + BLOCK_N >= t_hi):  # the split's last tile
+            part = pid_bh * SPLITS + j0 // SPLIT_KEYS
+            tl.store(ml_ptr + (part * 2) * BLOCK_R + r, m_i)
+            tl.store(ml_ptr + (part * 2 + 1) * BLOCK_R + r, l_i)
+            tl.store(acc_ptr + (part * BLOCK_R + r)[:, None] * D + d[None, :], acc,
+                     mask=row_ok[:, None])  # padding: unread
 
 
 @lazy_jit(do_not_specialize=["M", "SPLITS"])
-def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_om,
-                        SPLITS, H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr,
-                        BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
+def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, pos_ptr, vlen_ptr, M, L, stride_ob, stride_oh, stride_om,
+                        SPLITS, SPLIT_KEYS: tl.constexpr, H_KV: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr,
+                        BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_VLEN: tl.constexpr,
+                        PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()  # the next kernel (o_proj's GEMM) may start now; it waits for this grid's writes
         gdc_wait()  # every split's partial is written past this point
@@ -139,38 +153,58 @@ def _sdpa_reduce_kernel(ml_ptr, acc_ptr, o_ptr, M, stride_ob, stride_oh, stride_
     r = g * M_PAD + m
     b = pid_bh // H_KV
     h = pid_bh % H_KV
-    s = tl.arange(0, SPLITS_P2)
-    s_ok = s < SPLITS
-    part = pid_bh * SPLITS + s
-    m_s = tl.load(ml_ptr + (part * 2) * BLOCK_R + r, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(ml_ptr + (part * 2 + 1) * BLOCK_R + r, mask=s_ok, other=0.0)
-    m_max = tl.max(m_s, axis=0)
-    w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_max))
+    # The row's own splits: those below its last visible key, so the set and the order of the merge follow its
+    # position alone (the call's other rows may have busied more splits; this row saw nothing there).
+    last = tl.minimum(tl.load(pos_ptr + m).to(tl.int32) + 1, L)
+    if HAS_VLEN:
+        last = tl.minimum(last, tl.load(vlen_ptr).to(tl.int32))
+    n_row = tl.minimum(tl.cdiv(last, SPLIT_KEYS), SPLITS)
+    part = pid_bh * SPLITS + tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
-    acc = tl.load(acc_ptr + (part * BLOCK_R + r)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_s, axis=0)
+    m_run = tl.max(tl.full((BLOCK_S,), float("-inf"), tl.float32), axis=0)
+    num = tl.zeros((D,), tl.float32)
+    den = tl.sum(tl.zeros((BLOCK_S,), tl.float32), axis=0)
+    for s0 in range(0, n_row, BLOCK_S):  # blocks of BLOCK_S splits in order, merged online
+        s_ok = s0 + tl.arange(0, BLOCK_S) < n_row
+        m_s = tl.load(ml_ptr + ((part + s0) * 2) * BLOCK_R + r, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(ml_ptr + ((part + s0) * 2 + 1) * BLOCK_R + r, mask=s_ok, other=0.0)
+        acc = tl.load(acc_ptr + ((part + s0) * BLOCK_R + r)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, axis=0))
+        c = tl.where(m_run == float("-inf"), 0.0, tl.exp2(m_run - m_new))
+        w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_new))
+        num = num * c + tl.sum(w[:, None] * acc, axis=0)
+        den = den * c + tl.sum(w * l_s, axis=0)
+        m_run = m_new
+    out = num / den
     tl.store(o_ptr + b * stride_ob + (h * G + g) * stride_oh + m * stride_om + d, out.to(o_ptr.dtype.element_ty))
 
 
 # ----------------------------------------------------------------------------- launch
 
-# Launch configuration, tuned on the H200 (bench/results/h200-sdpa-tune.json; `python -m bench.lab.kernel_tune --sdpa`
-# redoes it).
-CONFIG = dict(block_n=64, warps=4, stages=3, programs_per_sm=2, min_tiles_per_split=4)
+# Launch configuration. block_n, warps, stages and programs_per_sm were tuned on the H200
+# (bench/results/h200-sdpa-tune.json; `python -m bench.lab.kernel_tune --sdpa` redoes them); split_keys, the keys a
+# split holds, on the H100 (bench/results/h100-sdpa-context.json; `python -m bench.lab.sdpa_context`).
+CONFIG = dict(block_n=64, warps=4, stages=3, programs_per_sm=2, split_keys=256)
 USE_PDL = True  # programmatic dependent launch of the reduce kernel (GPU only)
+REDUCE_BLOCK = 128  # the most splits the reduce merges at a time (one block up to a 32K cache of 256-key splits)
 
 
-def default_splits(L: int, heads: int, block_n: int, sms: int = TUNED_SMS) -> int:
-    """Splits of the key range: enough for CONFIG programs per SM in one wave (a second, partial wave of
-    short programs costs a pipeline fill and drain each), and at least CONFIG key tiles per split."""
+def split_count(L: int, split_keys: int) -> int:
+    """Splits of a cache of L keys: one every `split_keys` keys from key 0."""
+    return triton.cdiv(L, split_keys)
+
+
+def default_programs(L: int, heads: int, split_keys: int, sms: int = TUNED_SMS) -> int:
+    """Split programs per KV head: enough for CONFIG programs per SM in one wave (a second, partial wave of
+    short programs costs a pipeline fill and drain each), and no more than the cache has splits. Program p takes
+    splits p, p + programs, ... below the call's last key, so a short context leaves the others idle at once."""
     want = max(1, CONFIG["programs_per_sm"] * sms // heads)
-    most = max(1, L // (CONFIG["min_tiles_per_split"] * block_n))
-    return min(want, most, 256)
+    return min(want, split_count(L, split_keys))
 
 
 def launch_sdpa(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | None = None,
-                splits: int | None = None, block_n: int | None = None, warps: int | None = None,
-                stages: int | None = None):
+                split_keys: int | None = None, programs: int | None = None, block_n: int | None = None,
+                warps: int | None = None, stages: int | None = None):
     B, Hq, M, D = q.shape
     _, Hkv, L, _ = k.shape
     if M > MAX_M:
@@ -178,28 +212,33 @@ def launch_sdpa(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | 
     if Hq % Hkv or D & (D - 1) or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("sdpa_midm needs Hq % Hkv == 0, power-of-2 head_dim and contiguous last dims")
     block_n = block_n or CONFIG["block_n"]
+    split_keys = split_keys or CONFIG["split_keys"]
+    if split_keys % block_n:
+        raise ValueError(f"sdpa_midm: split_keys ({split_keys}) must be a multiple of block_n ({block_n})")
     warps = warps or CONFIG["warps"]
     stages = stages or CONFIG["stages"]
     G = Hq // Hkv
     m_pad = triton.next_power_of_2(M)
     block_r = max(16, triton.next_power_of_2(G) * m_pad)
-    splits = splits or default_splits(L, B * Hkv, block_n, sm_count(q.device))
+    splits = split_count(L, split_keys)
+    programs = min(programs or default_programs(L, B * Hkv, split_keys, sm_count(q.device)), splits)
     scale = D ** -0.5 if scale is None else scale
     ml = torch.empty((B * Hkv * splits * 2, block_r), dtype=torch.float32, device=q.device)
     acc = torch.empty((B * Hkv * splits * block_r, D), dtype=torch.float32, device=q.device)
     out = torch.empty((B, M, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     vlen = valid_len if valid_len is not None else q_pos
     pdl = USE_PDL and pdl_capable(q.device)
-    _sdpa_split_kernel[(splits, B * Hkv)](
+    _sdpa_split_kernel[(programs, B * Hkv)](
         q, k, v, q_pos, vlen, ml, acc, M, L, scale * LOG2E, window,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), splits,
-        H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, BLOCK_N=block_n, D=D,
+        v.stride(0), v.stride(1), v.stride(2), splits, programs,
+        SPLIT_KEYS=split_keys, H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, BLOCK_N=block_n, D=D,
         HAS_VLEN=valid_len is not None, HAS_WINDOW=window > 0, PDL=pdl, num_warps=warps, num_stages=stages)
     _sdpa_reduce_kernel[(B * Hkv, G * M)](
-        ml, acc, out, M, out.stride(0), out.stride(1), out.stride(2), splits,
-        H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, D=D, SPLITS_P2=triton.next_power_of_2(splits), PDL=pdl,
-        num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        ml, acc, out, q_pos, vlen, M, L, out.stride(0), out.stride(1), out.stride(2), splits,
+        SPLIT_KEYS=split_keys, H_KV=Hkv, G=G, M_PAD=m_pad, BLOCK_R=block_r, D=D,
+        BLOCK_S=min(REDUCE_BLOCK, triton.next_power_of_2(splits)), HAS_VLEN=valid_len is not None, PDL=pdl,
+        num_warps=4 if splits * D <= 8192 else 8, **({"launch_pdl": True} if pdl else {}))
     note_launch(q.device, pdl)
     return out
 
