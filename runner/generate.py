@@ -314,6 +314,7 @@ class Draft:
         self.vocab = meta["vocab_size"]
         self.in_chain = engine.draft_chains and sampler.greedy
         self.pending = None  # (tokens, features, start) the next draft_chain call seeds on
+        self.first = None  # step by step: the seeded proposal (token, q)
 
     def _propose(self, ids: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if self.sampler.greedy:
