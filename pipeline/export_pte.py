@@ -106,6 +106,7 @@ import contextlib
 import gc
 import logging
 import operator
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -664,7 +665,8 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     run writes (both emit from the same files; a method is the unit: to_edge_transform_and_lower and the
     partitioner run per method, and exir's serde keeps a lowered one with its delegate payloads). With a scratch
     dir the methods are lowered `lowering_workers()` at a time, each in a forked process (`lower_in_forks`):
-    lowering is single-threaded Python, and the draft_chain_<k> make it most of an export.
+    lowering is single-threaded Python, and the draft_chain_<k> make it most of an export. Without one, a
+    temporary dir carries them over (and is removed), so a direct caller lowers in parallel too.
     """
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
@@ -704,6 +706,10 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     report["t_range"] = {name: list(spec[3]) for name, spec in specs.items()}
     compile_config = EdgeCompileConfig(_check_ir_validity=False)
     lowered, timings, resumed = {}, {}, []
+    handover = None  # no scratch dir: the parallel lowering hands the methods over through a temporary one
+    if scratch is None and lowering_workers() > 1 and len(specs) > 1:
+        handover = tempfile.TemporaryDirectory(prefix="lowered-")  # removed when the export ends, or fails
+        scratch = handover.name
     saved = {name: Path(scratch) / f"{name}{LOWERED_SUFFIX}" for name in specs} if scratch is not None else {}
     partitioners = _partitioners(backend)
     bar = tqdm(total=2 * len(specs), desc=f"export {backend}/{quant}", disable=not progress, leave=False)
@@ -807,4 +813,6 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     report["pte_bytes"] = out_path.stat().st_size
     log.info("wrote %s (%.2f MB; %.2f MB before sharing) in %.1f s", out_path, report["pte_bytes"] / 1e6,
              lowered_bytes / 1e6, timings["total_s"])
+    if handover is not None:
+        handover.cleanup()
     return report
