@@ -56,7 +56,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     ec = cfg.export
     target_art, draft_art = upstream["target"], upstream["draft"]
     args = dict(windows(ec), backend=str(ec.backend), quant=str(ec.get("quant", "none")),
-                group_size=int(ec.get("group_size", 32)), draft_chains=bool(ec.get("draft_chains", True)))
+                group_size=int(ec.get("group_size", 32)), draft_chains=ec.get("draft_chains", True))
     max_m = args["max_m"]
     target_config = json.loads((Path(target_art.path) / "config.json").read_text())
     check_export_args(max_seq_len=int(target_config["max_seq_len"]), **args)
