@@ -453,7 +453,8 @@ QUALITY_WINDOWS, QUALITY_LEN, AGREE_TOKENS = 16, 192, 128
 
 def real_target(name: str, draft_dir: str):
     """(fp32 Speculator on the CPU, GGUF path, tokenizer, chat template, preset) of a real preset
-    (conf/target/<name>.yaml: its package, cache size, tap layers, prompt format) and a trained draft."""
+    (conf/target/<name>.yaml: its package, the cache length its export takes, tap layers, prompt format) and a
+    trained draft."""
     import yaml
 
     from bench.targets import PRESETS, WORK
@@ -464,7 +465,7 @@ def real_target(name: str, draft_dir: str):
     tc = preset["target"]
     path = package_gguf(PRESETS[name][0], WORK)
     taps = tc.get("tap_layers")
-    g = read_gguf(path, max_seq_len=tc["max_seq_len"], tap_layers=None if taps is None else tuple(taps),
+    g = read_gguf(path, max_seq_len=preset["export"]["max_seq_len"], tap_layers=None if taps is None else tuple(taps),
                   progress=False)
     spec = Speculator(g.model, load_speculators(draft_dir, g.model))
     return spec, path, g.tokenizer, g.chat_template, preset

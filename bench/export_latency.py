@@ -44,18 +44,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def default_sized_speculator():
-    """Random target + draft with the embedded default's shapes (conf/target/tiny.yaml, and the draft
-    vocabulary of conf/draft/train.yaml)."""
+    """Random target + draft with the embedded default's shapes (conf/target/tiny.yaml, the draft vocabulary of
+    conf/draft/train.yaml) and the export's cache length (conf/export/xnnpack.yaml)."""
     from omegaconf import OmegaConf
 
     from models import Speculator, TargetConfig, Transformer, tiny_draft
 
     conf = OmegaConf.load(ROOT / "conf/target/tiny.yaml")
+    max_seq_len = int(OmegaConf.load(ROOT / "conf/export/xnnpack.yaml").max_seq_len)
     draft_vocab = int(OmegaConf.load(ROOT / "conf/draft/train.yaml").draft_vocab_size)
     model = {k: v for k, v in OmegaConf.to_container(conf.model, resolve=False).items()
              if k not in ("vocab_size", "max_seq_len", "tap_layers")}
     torch.manual_seed(0)
-    cfg = TargetConfig(vocab_size=conf.tokenizer.vocab_size, max_seq_len=conf.max_seq_len, **model)
+    cfg = TargetConfig(vocab_size=conf.tokenizer.vocab_size, max_seq_len=max_seq_len, **model)
     target = Transformer(cfg).eval()
     return Speculator(target, tiny_draft(target, draft_vocab_size=min(draft_vocab, cfg.vocab_size))).eval()
 

@@ -89,7 +89,7 @@ def write_gguf(model, tokenizer, path, *, dtype: str = "f32", name: str = "eagle
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     w = GGUFWriter(tmp, "llama")
     w.add_name(name)
-    w.add_context_length(cfg.max_seq_len)
+    w.add_context_length(cfg.context_length or cfg.max_seq_len)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.n_layers)
     w.add_feed_forward_length(cfg.intermediate_size)

@@ -67,7 +67,11 @@ class TargetConfig:
     Every option's default is the Llama behaviour, so a Llama config sets none of the Gemma ones.
     `sliding_window` is None (no layer windowed) or a per-layer list of window sizes (None = full
     attention for that layer); a key is visible to a query when query_pos - window < key_pos <= query_pos.
-    `max_seq_len` sizes the static KV cache and the RoPE tables.
+    `max_seq_len` sizes the static KV cache and the RoPE tables: a property of one loaded instance (each stage
+    loads the target at the length it needs; the export at export.max_seq_len), not of the weights.
+    `context_length` is the context the weights were trained for (a checkpoint's max_position_embeddings, a
+    GGUF's context_length), None where the model claims none (the embedded default, trained on short windows):
+    no cache is exported longer than a claimed one.
 
     Gemma options (HF keys of a gemma3_text config.json in brackets):
       hidden_act          the MLP's gate activation, one of ACTIVATIONS [hidden_activation; Llama: hidden_act]
@@ -100,6 +104,7 @@ class TargetConfig:
     logit_softcap: float | None = None
     sliding_window: list | None = None
     max_seq_len: int = 128
+    context_length: int | None = None
     tap_layers: tuple | None = None
     # Needed by real checkpoints:
     o_bias: bool = False  # Llama/Qwen3 attention_bias also puts a bias on o_proj

@@ -184,6 +184,7 @@ def target_config_from_hf(d: dict, where, *, max_seq_len: int | None = None, tap
         logit_softcap=logit_softcap,
         sliding_window=_sliding_windows(d, mt, L, where, prefix),
         max_seq_len=max_seq_len or min(d.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN), DEFAULT_MAX_SEQ_LEN),
+        context_length=d.get("max_position_embeddings"),
         tap_layers=tap_layers,
         rope_scaling=rs,
         **extra,

@@ -3,8 +3,8 @@
 A bad value is refused with one `ConfigError` that lists every problem found, each naming the key, the
 value given and what is allowed: a typo in `runtime.chain` is reported in a second, not after the minutes
 of building the stages before the eval. The checks mirror the config groups (conf/<group>/*.yaml) and the
-stages that read them; the stages keep their own checks of what only their inputs can tell (a target's
-max_seq_len for target=hf, the pairing of draft and target).
+stages that read them; the stages keep their own checks of what only their inputs can tell (a GGUF's trained
+context against export.max_seq_len, the pairing of draft and target).
 """
 
 from __future__ import annotations
@@ -106,28 +106,31 @@ def _check_gguf_source(c: _Checker) -> None:
         c.problems.append(str(e) if package is not None else f"target.path={path!r}: {e}")
 
 
-def known_max_seq_len(c: _Checker) -> tuple[int | None, str]:
-    """The target's max_seq_len as far as it is known before any stage runs, with what it is: the config's
-    value; for target=hf without one, min(max_position_embeddings of its config.json, 4096), the target
-    stage's own rule; for target=gguf without one, 4096, only an upper bound (the file's context length is
-    read by the target stage, and the eval stage checks again against the .pte)."""
-    from models.hf import DEFAULT_MAX_SEQ_LEN, text_config
+def cache_length(c: _Checker) -> tuple[int | None, str]:
+    """The KV cache's positions of the engine the eval and serve run, with the key that sets it: the cuda
+    engine's own engine.max_seq_len, export.max_seq_len for the engines that run the exported program."""
+    key = "engine.max_seq_len" if c.get("engine.kind") == "cuda" else "export.max_seq_len"
+    value = c.get(key)
+    return (value, f"{key}={value}") if _is_int(value) else (None, "")
 
-    value = c.get("target.max_seq_len")
-    if _is_int(value):
-        return value, f"target.max_seq_len={value}"
-    if c.get("target.kind") == "hf" and isinstance(c.get("target.path"), str):
-        config = Path(c.get("target.path")) / "config.json"
-        try:
-            d = text_config(json.loads(config.read_text()))[0]
-        except (OSError, ValueError, TypeError, AttributeError):
-            return None, ""  # the target stage refuses the checkpoint, naming why
-        n = min(int(d.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN)), DEFAULT_MAX_SEQ_LEN)
-        return n, f"the target's max_seq_len={n} (min(max_position_embeddings of {config}, {DEFAULT_MAX_SEQ_LEN}))"
-    if c.get("target.kind") == "gguf":
-        return DEFAULT_MAX_SEQ_LEN, (f"the target's max_seq_len, at most {DEFAULT_MAX_SEQ_LEN} (target.max_seq_len "
-                                     f"is null: the GGUF file's context length decides it, checked at eval)")
-    return None, ""
+
+def _check_context(c: _Checker) -> None:
+    """export.max_seq_len (and the cuda engine's) within the context a target=hf checkpoint was trained for
+    (its config.json's max_position_embeddings), before any stage runs; a GGUF's context_length is checked by
+    the export stage (models.TargetConfig.context_length), before any lowering."""
+    from models.hf import text_config
+
+    if c.get("target.kind") != "hf" or not isinstance(c.get("target.path"), str):
+        return
+    try:
+        context = text_config(json.loads((Path(c.get("target.path")) / "config.json").read_text()))[0].get(
+            "max_position_embeddings")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return  # the target stage refuses the checkpoint, naming why
+    for key in ("export.max_seq_len", "engine.max_seq_len"):
+        value = c.get(key)
+        if _is_int(context) and _is_int(value) and value > context:
+            c.fail(key, value, f"at most {context}, the max_position_embeddings the target was trained for")
 
 
 def lengths_problem(prompt_len: int, max_new_tokens: int, max_seq_len: int, source: str) -> str | None:
@@ -162,7 +165,7 @@ def prompt_file_lines(path: Path, prompts: list[str], count, *, max_new_tokens: 
 
 
 def _check_lengths(c: _Checker) -> None:
-    """Every length against the target's max_seq_len (`known_max_seq_len`): the cut prompts'
+    """Every length against the engine's KV cache (`cache_length`): the cut prompts'
     runtime.prompt_len + max_new_tokens, or each line of a prompt file. A line's tokens are counted with the
     tokenizer where one is at hand without building anything (target=hf: the checkpoint's tokenizer.json);
     elsewhere the tokenizer is the target stage's output, so the eval stage counts them before it evaluates
@@ -170,7 +173,7 @@ def _check_lengths(c: _Checker) -> None:
     store), and this only notes the lines whose UTF-8 bytes + 1 (a bound on the tokens of a byte-level or
     byte-fallback vocabulary) do not clear the budget. Exact mode's padding rows take exact_width - 1
     positions of the cache (runner.engine.ExactEngine), which a prompt then cannot use."""
-    max_seq_len, source = known_max_seq_len(c)
+    max_seq_len, source = cache_length(c)
     width = exact_width(c)
     if max_seq_len is not None and width is not None:
         max_seq_len, source = max_seq_len - (width - 1), f"{source} less exact mode's {width - 1} padding positions"
@@ -190,8 +193,7 @@ def _check_lengths(c: _Checker) -> None:
     except (OSError, ValueError):
         return  # refused above, naming the file
     tokenizer = Path(str(c.get("target.path"))) / "tokenizer.json" if c.get("target.kind") == "hf" else None
-    exact = _is_int(c.get("target.max_seq_len")) or c.get("target.kind") == "hf"
-    if not (exact and tokenizer is not None and tokenizer.is_file()):
+    if tokenizer is None or not tokenizer.is_file():
         budget = max_seq_len - max_new
         unsure = [n for n, text in enumerate(texts, 1) if len(text.encode("utf-8")) + 1 > budget]
         if unsure:
@@ -212,18 +214,18 @@ def _check_lengths(c: _Checker) -> None:
 
 def check_prompts_with_target(cfg: DictConfig, target_dir: Path) -> None:
     """A prompt file's lines counted with the tokenizer of a target artifact already in the store, against
-    its max_seq_len, before any stage runs (ConfigError naming the file and the lines, as the eval does)."""
+    the engine's KV cache (`cache_length`), before any stage runs (ConfigError naming the file and the lines,
+    as the eval does)."""
     rt = cfg.runtime
-    if not rt.get("prompts") or not (Path(target_dir) / "tokenizer.json").is_file():
+    max_seq_len, source = cache_length(_Checker(cfg))
+    if not rt.get("prompts") or max_seq_len is None or not (Path(target_dir) / "tokenizer.json").is_file():
         return
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
-    max_seq_len = int(json.loads((Path(target_dir) / "config.json").read_text())["max_seq_len"])
     prompt_file_lines(Path(rt.prompts), read_prompt_file(Path(rt.prompts)),
                       lambda text: len(tok.encode(text, add_special_tokens=False).ids),
-                      max_new_tokens=int(rt.max_new_tokens), max_seq_len=max_seq_len,
-                      source=f"max_seq_len={max_seq_len} of the target {target_dir}",
+                      max_new_tokens=int(rt.max_new_tokens), max_seq_len=max_seq_len, source=source,
                       policy=str(rt.get("prompts_too_long") or "error"))
 
 
@@ -275,10 +277,10 @@ def _check_engine(c: _Checker, export_max_m: int | None) -> int | None:
             c.fail("engine.min_prefill_chunk", lo, f"null or above engine.max_m={max_m} (a prefill range may not "
                    "straddle the dispatch threshold max_m)")
         lo = max_m + 1 if lo is None else lo
-        max_seq_len = c.get("target.max_seq_len")
-        if hi < lo or (_is_int(max_seq_len) and hi > max_seq_len):
-            c.fail("engine.max_prefill_chunk", hi, f"an int in [{lo}, {max_seq_len if _is_int(max_seq_len) else 'inf'}]"
-                   " (engine.min_prefill_chunk .. target.max_seq_len)")
+        max_seq_len = c.get("engine.max_seq_len") if c.int_in("engine.max_seq_len", 2) else None
+        if hi < lo or (max_seq_len is not None and hi > max_seq_len):
+            c.fail("engine.max_prefill_chunk", hi, f"an int in [{lo}, {max_seq_len or 'inf'}]"
+                   " (engine.min_prefill_chunk .. engine.max_seq_len)")
     return max_m
 
 
@@ -292,12 +294,8 @@ def check_config(cfg: DictConfig) -> None:
     c.choice("target.kind", ("tiny", "hf", "gguf"))
     if c.get("target.kind") == "hf":
         c.existing("target.path", directory=True)
-        c.int_in("target.max_seq_len", 2, nullable=True)
     elif c.get("target.kind") == "gguf":
         _check_gguf_source(c)
-        c.int_in("target.max_seq_len", 2, nullable=True)
-    else:
-        c.int_in("target.max_seq_len", 2)
 
     c.choice("data.kind", ("stdlib", "text"))
     c.number_in("data.held_out_fraction", 0.0, 1.0)
@@ -335,8 +333,8 @@ def check_config(cfg: DictConfig) -> None:
     chain_ok = c.get("export.default_chain") == "auto" or c.int_in("export.default_chain", 1)
     ints = [chain_ok, c.int_in("export.max_prefill_chunk", 1),
             c.int_in("export.min_prefill_chunk", 1, nullable=True), c.int_in("export.group_size", 2)]
-    max_seq_len = c.get("target.max_seq_len")
-    if max_m is not None and all(ints) and _is_int(max_seq_len):  # target=hf with null: checked at export
+    max_seq_len = c.get("export.max_seq_len") if c.int_in("export.max_seq_len", 2) else None
+    if max_m is not None and all(ints) and max_seq_len is not None:
         from pipeline.export_pte import DEFAULT_CHAIN, check_export_args
 
         min_prefill = c.get("export.min_prefill_chunk")
@@ -376,6 +374,7 @@ def check_config(cfg: DictConfig) -> None:
             c.fail(f"{rt}.prompts", c.get(f"{rt}.prompts"), f"a readable prompt file ({e})")
 
     c.choice(f"{rt}.prompts_too_long", PROMPTS_TOO_LONG)
+    _check_context(c)
     _check_lengths(c)
 
     if c.get("serve") is not None:

@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = cli.load_tokenizer(args.tokenizer)
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     stops = stop_ids(tokenizer, args.stop)
-    for text in prompts:
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
+    encoded = [tokenizer.encode(text, add_special_tokens=False).ids for text in prompts]
+    check_lengths([len(ids) for ids in encoded], args.max_new_tokens, engine.meta["max_seq_len"])
+    for text, ids in zip(prompts, encoded):
         res = generate(engine, ids, chain=args.chain, max_new_tokens=args.max_new_tokens, stop_ids=stops,
                        temperature=args.temperature, seed=args.seed, policy=args.policy)
         print(text + report(res, tokenizer))
@@ -87,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"K per round: {res.chain_per_round}")
         print()
     return 0
+
+
+def check_lengths(lengths: list[int], max_new_tokens: int, max_seq_len: int) -> None:
+    """Refuse, before any prompt is decoded, the prompts whose tokens and --max-new-tokens exceed the KV cache,
+    naming both numbers (a prompt and its answer share the cache)."""
+    long = [(n, length) for n, length in enumerate(lengths, 1) if length + max_new_tokens > max_seq_len]
+    if long:
+        n, length = long[0]
+        more = f" (and {len(long) - 1} more prompts)" if len(long) > 1 else ""
+        raise ValueError(f"prompt {n} has {length} tokens + --max-new-tokens {max_new_tokens} = "
+                         f"{length + max_new_tokens}, more than the {max_seq_len} positions of the KV cache{more}: at "
+                         f"most {max(max_seq_len - max_new_tokens, 0)} prompt tokens with this --max-new-tokens")
 
 
 if __name__ == "__main__":

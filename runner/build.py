@@ -59,19 +59,19 @@ def eager_engine(pte, tokenizer, target, draft, *, device: str = "cpu", exact: b
     from runner.engine import EagerEngine
 
     m = load_pte(Path(pte), Path(tokenizer), verified=verified).meta
-    model = load_target(target)
+    model = load_target(target, max_seq_len=m["max_seq_len"])
     engine = EagerEngine(Speculator(model, load_speculators(draft, model)), max_m=m["max_m"],
                          default_chain=m["default_chain"], max_prefill_chunk=m["max_prefill_chunk"],
                          min_prefill_chunk=m["min_prefill_chunk"], device=device, manifest_hash=m["manifest_hash"])
     return _exact(engine, exact, exact_width)
 
 
-def cuda_engine(target, draft, *, max_m: int, default_chain: int, max_prefill_chunk: int,
+def cuda_engine(target, draft, *, max_m: int, default_chain: int, max_prefill_chunk: int, max_seq_len: int,
                 min_prefill_chunk: int | None = None, device: str = "cuda", quant: str = "none",
                 compile: str = "none", exact: bool = True):
     """runner.cuda_engine.CudaEngine over the target and draft artifacts, its graphs captured for the windows
-    given (`min_prefill_chunk` None: max_m + 1), its weights as `quant` names (models.choices.CUDA_QUANTS); an
-    unknown scheme is refused before any weights are read."""
+    given (`min_prefill_chunk` None: max_m + 1) over caches of `max_seq_len` positions, its weights as `quant`
+    names (models.choices.CUDA_QUANTS); an unknown scheme is refused before any weights are read."""
     if quant not in CUDA_QUANTS:
         raise ValueError(f"engine.quant={quant!r}: expected one of {', '.join(CUDA_QUANTS)}")
     if compile not in CUDA_COMPILES:
@@ -79,7 +79,7 @@ def cuda_engine(target, draft, *, max_m: int, default_chain: int, max_prefill_ch
     from models import Speculator, load_speculators, load_target
     from runner.cuda_engine import CudaEngine
 
-    model = load_target(target)
+    model = load_target(target, max_seq_len=int(max_seq_len))
     kernels = CUDA_QUANTS[quant] or {}
     return CudaEngine(Speculator(model, load_speculators(draft, model)), max_m=int(max_m),
                       default_chain=int(default_chain), max_prefill_chunk=int(max_prefill_chunk),
@@ -144,6 +144,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     cuda.add_argument("--max-m", type=cli.integer(2), help="the widest verify call (K <= max_m - 1)")
     cuda.add_argument("--max-prefill-chunk", type=cli.integer(1))
     cuda.add_argument("--min-prefill-chunk", type=cli.integer(1), help="default: max_m + 1")
+    cuda.add_argument("--max-seq-len", type=cli.integer(2), default=2048,
+                      help="its KV caches: prompt + answer tokens (engine.max_seq_len)")
     cuda.add_argument("--quant", choices=tuple(CUDA_QUANTS), default="none",
                       help="the weights: bf16, or the INT4 GPU kernels (engine.quant; models.choices.CUDA_QUANTS)")
     cuda.add_argument("--compile", choices=CUDA_COMPILES, default="none",
@@ -161,6 +163,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.engine == "cuda":
         return {"kind": "cuda", "max_m": args.max_m, "default_chain": args.chain,
                 "max_prefill_chunk": args.max_prefill_chunk, "min_prefill_chunk": args.min_prefill_chunk,
+                "max_seq_len": args.max_seq_len,
                 "device": args.device or "cuda", "quant": args.quant, "compile": args.compile, "exact": args.exact}
     options = {"kind": args.engine, "exact": args.exact_width is not None, "exact_width": args.exact_width}
     if args.engine == "eager":

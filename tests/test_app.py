@@ -44,10 +44,10 @@ def test_default_config_composes_with_every_group():
 def test_smoke_preset_shrinks_and_composes_with_other_choices(tmp_path):
     smoke = compose_cfg("+experiment=smoke")
     assert smoke.target.model.n_layers < compose_cfg().target.model.n_layers
-    assert smoke.target.model.max_seq_len == smoke.target.max_seq_len <= 128
+    assert smoke.target.model.max_seq_len == smoke.target.train.seq_len and smoke.export.max_seq_len <= 128
     mixed = compose_cfg("+experiment=smoke", "target=hf", f"target.path={tmp_path}", "data=text",
                         f"data.paths=[{tmp_path}/a.txt]")
-    assert mixed.target.kind == "hf" and mixed.target.max_seq_len == 128 and mixed.data.kind == "text"
+    assert mixed.target.kind == "hf" and mixed.export.max_seq_len == 128 and mixed.data.kind == "text"
 
 
 def test_gpu_preset_fits_its_own_windows_and_passes_validation():
@@ -56,7 +56,8 @@ def test_gpu_preset_fits_its_own_windows_and_passes_validation():
     gpu = compose_cfg("+experiment=gpu")
     check_config(gpu)
     assert gpu.target.model.n_layers > compose_cfg().target.model.n_layers
-    assert max(gpu.taps.held_out_seq_len, gpu.target.train.seq_len) <= gpu.target.max_seq_len
+    assert gpu.taps.held_out_seq_len <= gpu.export.max_seq_len
+    assert gpu.target.model.max_seq_len == gpu.target.train.seq_len
     assert gpu.draft.draft_vocab_size >= gpu.target.tokenizer.vocab_size
 
 
@@ -76,7 +77,7 @@ def test_gpu_experiment_sizes_taps_and_draft_for_every_target(preset):
     assert on_policy_tokens(plain) < GPU_TOKENS <= on_policy_tokens(gpu) == 8192 * 256
     assert gpu.taps.seq_len == gpu.taps.held_out_seq_len == gpu.runtime.prompt_len + gpu.runtime.max_new_tokens
     assert gpu.taps.prompt_len == gpu.taps.held_out_prompt_len == gpu.runtime.prompt_len == 64
-    assert gpu.taps.seq_len <= gpu.target.max_seq_len
+    assert gpu.taps.seq_len <= gpu.export.max_seq_len
     assert gpu.draft.train.ttt_steps == gpu.export.max_m - 1 == 7
     wider = compose_cfg(f"target={preset}", "+experiment=gpu", "export.max_m=6", "export.min_prefill_chunk=7")
     assert wider.draft.train.ttt_steps == 5, "one owner: ttt_steps follows export.max_m"
@@ -157,6 +158,16 @@ def test_auto_default_chain_keeps_the_default_window_in_one_gemm_pass(monkeypatc
 
 def test_export_max_m_changes_the_export_key():
     assert export_key("export.max_m=4") != export_key("export.max_m=8")
+
+
+def test_the_cache_length_is_the_exports_alone():
+    """export.max_seq_len re-exports and retrains nothing; the cuda engine's own cache length enters no key."""
+    mods = stage_modules()
+    base = plan_keys(compose_cfg(), mods)
+    longer = plan_keys(compose_cfg("export.max_seq_len=4096"), mods)
+    assert longer["export"] != base["export"]
+    assert all(longer[s] == base[s] for s in ("target", "taps", "draft"))
+    assert plan_keys(compose_cfg("engine=cuda", "engine.max_seq_len=8192"), mods)["export"] == base["export"]
 
 
 def test_upstream_changes_propagate_to_the_export_key():

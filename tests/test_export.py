@@ -37,7 +37,7 @@ if os.environ.get("EXPORT_TEST_INT4", "1") != "0":
 
 def export_cfg(**over):
     ec = dict(backend="xnnpack", quant="none", group_size=32, max_m=MAX_M, default_chain=CHAIN,
-              max_prefill_chunk=MAX_PREFILL, min_prefill_chunk=MIN_PREFILL)
+              max_prefill_chunk=MAX_PREFILL, min_prefill_chunk=MIN_PREFILL, max_seq_len=MAX_SEQ)
     ec.update(over)
     return OmegaConf.create({"export": ec})
 
@@ -441,6 +441,7 @@ def no_lowering(monkeypatch):
     (dict(backend="portable", quant="int4"), r"int4 needs export=xnnpack"),
     (dict(backend="cuda"), r"backend='cuda'"),
     (dict(max_prefill_chunk=MAX_SEQ + 1), r"max_seq_len=64"),
+    (dict(max_seq_len=MAX_M - 1), r"max_m=4 is larger than .*max_seq_len=3"),
 ])
 def test_bad_export_config_is_refused_before_lowering(over, match, pair, tmp_path, no_lowering):
     with pytest.raises(ValueError, match=match):
@@ -491,6 +492,34 @@ def test_draft_that_does_not_fit_the_target_is_refused_before_lowering(case, mat
     t_art, d_art = save_pair(tmp_path, target, draft, draft_upstream=upstream)
     with pytest.raises(ValueError, match=match):
         export_stage.run(export_cfg(), {"target": t_art, "draft": d_art}, tmp_path / "out")
+
+
+def test_a_cache_longer_than_the_targets_trained_context_is_refused_before_lowering(tmp_path, no_lowering):
+    target = make_target(context_length=MAX_SEQ)
+    t_art, d_art = save_pair(tmp_path, target, make_draft(target))
+    with pytest.raises(ValueError, match=rf"export.max_seq_len={2 * MAX_SEQ} exceeds the {MAX_SEQ} positions"):
+        export_stage.run(export_cfg(max_seq_len=2 * MAX_SEQ), {"target": t_art, "draft": d_art}, tmp_path / "out")
+
+
+@torch.no_grad()
+def test_the_cache_length_is_the_exports_and_changes_no_token(pair):
+    """The stage loads the pair at export.max_seq_len: both caches and RoPE tables that long, the weights the
+    artifacts' own, and a greedy decode at a drawn prompt the same tokens as at the artifacts' length."""
+    from runner.engine import EagerEngine
+    from runner.generate import generate
+
+    short, long = export_stage.load_pair(pair[0].path, pair[1].path), export_stage.load_pair(
+        pair[0].path, pair[1].path, 3 * MAX_SEQ)
+    assert short.target.cfg.max_seq_len == MAX_SEQ and long.target.cfg.max_seq_len == 3 * MAX_SEQ
+    assert long.draft.cfg.max_seq_len == 3 * MAX_SEQ
+    assert long.target.layers[0].self_attn.k_cache.shape[2] == 3 * MAX_SEQ
+    for (name, a), (_, b) in zip(short.state_dict().items(), long.state_dict().items()):
+        assert torch.equal(a, b), name
+    prompt = torch.randint(0, 256, (int(torch.randint(4, 20, ())),)).tolist()
+    decoded = [generate(EagerEngine(spec, max_m=MAX_M, default_chain=CHAIN, max_prefill_chunk=MAX_PREFILL,
+                                    min_prefill_chunk=MIN_PREFILL), prompt, chain=k, max_new_tokens=24).output_ids
+               for spec in (short, long) for k in (0, CHAIN)]
+    assert decoded[0] == decoded[1] == decoded[2] == decoded[3]
 
 
 def test_stage_loads_the_stored_target_unchanged(pair):

@@ -185,6 +185,16 @@ def test_the_command_line_runner_prints_text_tau_and_timings(tiny_pte, tmp_path,
     assert capsys.readouterr().out.split("\n")[0] == plain  # fp32: exact and plain give the same greedy text
     with pytest.raises(ValueError, match=r"outside the valid range \[1, 2\]"):
         main([*args, "--prompt", "w5", "--chain", "3", "--exact-width", "3"])
+    # a prompt and its answer share the cache: refused before any prompt decodes, naming both numbers
+    max_seq_len = tiny_pte.speculator().target.cfg.max_seq_len
+    room = max_seq_len - 12
+    (tmp_path / "long.txt").write_text("w5 w6\n" + " ".join(["w7"] * (room + 1)) + "\n")
+    with pytest.raises(ValueError, match=rf"prompt 2 has {room + 1} tokens \+ --max-new-tokens 12 = "
+                                         rf"{max_seq_len + 1}, more than the {max_seq_len} positions"):
+        main([*args, "--prompt-file", str(tmp_path / "long.txt"), "--chain", "2"])
+    assert capsys.readouterr().out == ""
+    (tmp_path / "long.txt").write_text(" ".join(["w7"] * room) + "\n")
+    assert main([*args, "--prompt-file", str(tmp_path / "long.txt"), "--chain", "2"]) == 0
 
 
 def _pte_with_manifest(tiny_pte, where, files=None):

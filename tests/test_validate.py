@@ -44,7 +44,7 @@ def test_the_default_and_smoke_configs_pass():
     ("engine=cuda engine.max_m=17", "engine.max_m=17: an int in [2, 16]"),
     ("engine=cuda engine.max_m=4 engine.default_chain=4", "engine.default_chain=4: an int in [1, 3]"),
     ("engine=cuda engine.min_prefill_chunk=4", "engine.min_prefill_chunk=4: null or above engine.max_m=8"),
-    ("engine=cuda engine.max_prefill_chunk=600", "engine.max_prefill_chunk=600: an int in [9, 512]"),
+    ("engine=cuda engine.max_prefill_chunk=3000", "engine.max_prefill_chunk=3000: an int in [9, 2048]"),
     ("engine=cuda engine.max_m=4 runtime.chain=4", "runtime.chain=4: an int in [0, 3]"),
     ("engine=eager engine.device=tpu", "engine.device='tpu': a torch device: cpu, cuda or cuda:N"),
     ("engine.exact=maybe", "engine.exact='maybe': one of True, False, auto"),
@@ -65,11 +65,12 @@ def test_the_default_and_smoke_configs_pass():
     ("device=tpu", "device='tpu': one of cpu, cuda"),
     ("threads=0", "threads=0"),
     ("+experiment=smoke runtime.prompt_len=1000",
-     "runtime.prompt_len=1000 + runtime.max_new_tokens=48 = 1048 exceeds target.max_seq_len=128"),
-    ("engine.exact=true engine.exact_width=8 runtime.max_new_tokens=442",
-     "runtime.prompt_len=64 + runtime.max_new_tokens=442 = 506 exceeds target.max_seq_len=512 less exact mode's 7"),
-    ("runtime.max_new_tokens=500", "runtime.prompt_len=64 + runtime.max_new_tokens=500 = 564 exceeds "
-                                   "target.max_seq_len=512"),
+     "runtime.prompt_len=1000 + runtime.max_new_tokens=48 = 1048 exceeds export.max_seq_len=128"),
+    ("engine.exact=true engine.exact_width=8 runtime.max_new_tokens=1978",
+     "runtime.prompt_len=64 + runtime.max_new_tokens=1978 = 2042 exceeds export.max_seq_len=2048 less exact mode's 7"),
+    ("runtime.max_new_tokens=2000", "runtime.prompt_len=64 + runtime.max_new_tokens=2000 = 2064 exceeds "
+                                    "export.max_seq_len=2048"),
+    ("export.max_seq_len=1", "export.max_seq_len=1"),
     ("runtime.prompts_too_long=truncate", "runtime.prompts_too_long='truncate': one of error, skip"),
 ])
 def test_each_bad_value_is_refused_naming_the_key_and_the_value(override, named):
@@ -145,21 +146,25 @@ def hf_checkpoint(root: Path, max_position_embeddings: int, words: int = 300) ->
     return root
 
 
-def test_lengths_against_a_max_seq_len_known_only_from_the_checkpoint(tmp_path):
+def test_the_exported_cache_fits_the_context_the_checkpoint_was_trained_for(tmp_path):
     ckpt = hf_checkpoint(tmp_path / "ckpt", 100)
     with pytest.raises(ConfigError) as e:
-        check_config(compose_cfg("target=hf", f"target.path={ckpt}", "runtime.prompt_len=64",
-                                 "runtime.max_new_tokens=48"))
-    assert (f"runtime.prompt_len=64 + runtime.max_new_tokens=48 = 112 exceeds the target's max_seq_len=100 "
-            f"(min(max_position_embeddings of {ckpt / 'config.json'}, 4096))") in str(e.value)
-    check_config(compose_cfg("target=hf", f"target.path={ckpt}", "runtime.prompt_len=52", "runtime.max_new_tokens=48"))
+        check_config(compose_cfg("target=hf", f"target.path={ckpt}"))
+    assert "export.max_seq_len=2048: at most 100, the max_position_embeddings the target was trained for" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        check_config(compose_cfg("target=hf", f"target.path={ckpt}", "export.max_seq_len=100", "export.max_prefill_chunk=64",
+                                 "runtime.prompt_len=64", "runtime.max_new_tokens=48"))
+    assert "runtime.prompt_len=64 + runtime.max_new_tokens=48 = 112 exceeds export.max_seq_len=100" in str(e.value)
+    check_config(compose_cfg("target=hf", f"target.path={ckpt}", "export.max_seq_len=100", "export.max_prefill_chunk=64", "runtime.prompt_len=52",
+                             "runtime.max_new_tokens=48"))
 
 
 def test_prompt_file_lines_are_counted_with_the_checkpoint_tokenizer_naming_file_and_lines(tmp_path, caplog):
     ckpt = hf_checkpoint(tmp_path / "ckpt", 100)
     prompts = tmp_path / "prompts.txt"  # 100 - 48 = 52 tokens of room; line 2 is short in tokens, long in bytes
     prompts.write_text("w1 w2\n" + " ".join(["w299"] * 40) + "\n" + " ".join(["w7"] * 60) + "\n")
-    args = ("target=hf", f"target.path={ckpt}", "runtime.max_new_tokens=48", f"runtime.prompts={prompts}")
+    args = ("target=hf", f"target.path={ckpt}", "export.max_seq_len=100", "export.max_prefill_chunk=64", "runtime.max_new_tokens=48",
+            f"runtime.prompts={prompts}")
     with pytest.raises(ConfigError) as e:
         check_config(compose_cfg(*args))
     assert f"prompt file {prompts}: line(s) 3 hold more than 52 tokens" in str(e.value)
@@ -187,7 +192,7 @@ def test_a_long_prompt_file_line_is_refused_with_the_stored_target_s_tokenizer(t
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(10)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(target / "tokenizer.json"))
-    (target / "config.json").write_text(json.dumps({"max_seq_len": 128}))
+    (target / "config.json").write_text(json.dumps({"max_seq_len": 64}))  # the export's length counts, not this
     with pytest.raises(ConfigError, match=rf"prompt file {prompts}: line\(s\) 2 hold more than 80 tokens.*"
-                                          rf"max_seq_len=128 of the target {target}"):
+                                          rf"export.max_seq_len=128"):
         check_prompts_with_target(cfg, target)

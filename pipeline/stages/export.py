@@ -5,7 +5,9 @@ manifest_hash, the pairing facts behind it, .pte size, timings, ops outside the 
 
 Order of work, so that every refusal comes before the minutes of lowering:
 1. the export config alone (backend, quant, max_m in [2, max_seq_len], default_chain in [1, max_m-1], prefill
-   chunk range not straddling the dispatch threshold; `min_prefill_chunk: null` means max_m + 1);
+   chunk range not straddling the dispatch threshold; `min_prefill_chunk: null` means max_m + 1), and
+   `export.max_seq_len` (the program's caches) within the context the target was trained for where it claims
+   one: the cache is the export's, so a longer one re-exports and never retrains;
 2. the pairing: the draft artifact must have been built for THIS target artifact when its manifest names
    one, and its weights must fit the target (hidden size, vocab, tap layers, d2t/t2d and the frozen
    embedding, checked by models.load_speculators);
@@ -57,12 +59,15 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     target_art, draft_art = upstream["target"], upstream["draft"]
     args = dict(windows(ec), backend=str(ec.backend), quant=str(ec.get("quant", "none")),
                 group_size=int(ec.get("group_size", 32)), draft_chains=ec.get("draft_chains", True))
-    max_m = args["max_m"]
-    target_config = json.loads((Path(target_art.path) / "config.json").read_text())
-    check_export_args(max_seq_len=int(target_config["max_seq_len"]), **args)
+    max_m, max_seq_len = args["max_m"], int(ec.max_seq_len)
+    check_export_args(max_seq_len=max_seq_len, **args)
+    context = json.loads((Path(target_art.path) / "config.json").read_text()).get("context_length")
+    if context is not None and max_seq_len > context:
+        raise ValueError(f"export.max_seq_len={max_seq_len} exceeds the {context} positions the target was trained "
+                         f"for (its context_length): positions past it are not the model's; lower export.max_seq_len")
 
     check_lineage(target_art, draft_art)
-    speculator = load_pair(Path(target_art.path), Path(draft_art.path))
+    speculator = load_pair(Path(target_art.path), Path(draft_art.path), max_seq_len)
     facts = pairing_facts(Path(target_art.path), Path(draft_art.path), speculator)
     manifest_hash = hash_facts(facts)
     log.info("export %s/%s: target %s + draft %s, max_m=%d (K in [1, %d]), manifest hash %s", args["backend"],
@@ -87,11 +92,12 @@ def check_lineage(target_art, draft_art) -> None:
                              f"but the target artifact is {target_art.key}; re-run the draft stage for this target")
 
 
-def load_pair(target_dir: Path, draft_dir: Path):
-    """(models.Speculator) from a target artifact and a draft artifact, refusing a draft that does not fit."""
+def load_pair(target_dir: Path, draft_dir: Path, max_seq_len: int | None = None):
+    """(models.Speculator) from a target artifact and a draft artifact, both with caches of `max_seq_len`
+    positions (None: the target artifact's), refusing a draft that does not fit."""
     from models import Speculator, load_speculators, load_target
 
-    target = load_target(target_dir)
+    target = load_target(target_dir, max_seq_len=max_seq_len)
     try:
         draft = load_speculators(draft_dir, target, max_seq_len=target.cfg.max_seq_len)
     except ValueError as e:

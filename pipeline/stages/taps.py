@@ -185,10 +185,12 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     dtype = getattr(torch, str(tc.dtype))
     device = distributed.device(cfg.device)
     target_dir = Path(upstream["target"].path)
-    target = load_target(target_dir, max_seq_len=None).to(device).eval()
     longest = max(T for T, _ in lengths.values())
-    if longest > target.cfg.max_seq_len:
-        raise ValueError(f"taps: sequences of {longest} tokens exceed the target's max_seq_len={target.cfg.max_seq_len}")
+    context = json.loads((target_dir / "config.json").read_text()).get("context_length")
+    if context is not None and longest > context:
+        raise ValueError(f"taps: sequences of {longest} tokens exceed the {context} positions the target was "
+                         f"trained for (its context_length)")
+    target = load_target(target_dir, max_seq_len=longest).to(device).eval()  # caches as long as the sequences
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     ends = end_ids(tokenizer)
 

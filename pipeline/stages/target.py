@@ -92,8 +92,7 @@ def estimate_bytes(cfg: DictConfig, upstream: dict) -> int | None:
         from models.hf import target_config_from_hf
 
         path = Path(str(tc.path))
-        model_cfg = target_config_from_hf(json.loads((path / "config.json").read_text()), path,
-                                          max_seq_len=tc.get("max_seq_len"))
+        model_cfg = target_config_from_hf(json.loads((path / "config.json").read_text()), path)
         return PARAM_BYTES * param_count(lambda: Transformer(model_cfg))
     if tc.kind == "gguf":
         from gguf import GGUFReader
@@ -128,8 +127,7 @@ def convert_hf(tc: DictConfig, out: Path) -> dict:
         raise FileNotFoundError(f"target=hf: target.path={str(path)!r} is not a directory")
     taps = tc.get("tap_layers")
     try:
-        model, tokenizer = load_hf_target(path, max_seq_len=tc.get("max_seq_len"),
-                                          tap_layers=None if taps is None else tuple(taps))
+        model, tokenizer = load_hf_target(path, tap_layers=None if taps is None else tuple(taps))
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"target=hf: {path} is not a usable Hugging Face checkpoint: {e}") from e
     if tokenizer is None:
@@ -165,7 +163,7 @@ def convert_gguf(cfg: DictConfig, out: Path) -> dict:
     tc = cfg.target
     path = gguf_source(cfg)
     taps = tc.get("tap_layers")
-    g = read_gguf(path, max_seq_len=tc.get("max_seq_len"), tap_layers=None if taps is None else tuple(taps))
+    g = read_gguf(path, tap_layers=None if taps is None else tuple(taps))
     t0 = time.perf_counter()
     save_target(g.model, out)
     g.tokenizer.save(str(out / "tokenizer.json"))
