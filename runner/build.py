@@ -66,7 +66,7 @@ def eager_engine(pte, tokenizer, target, draft, *, device: str = "cpu", exact: b
     return _exact(engine, exact, exact_width)
 
 
-def cuda_engine(target, draft, *, max_m: int, default_chain: int, max_prefill_chunk: int, max_seq_len: int,
+def cuda_engine(target, draft, *, max_m: int, default_chain: int, max_prefill_chunk: int, max_seq_len: int = 2048,
                 min_prefill_chunk: int | None = None, device: str = "cuda", quant: str = "none",
                 compile: str = "none", exact: bool = True):
     """runner.cuda_engine.CudaEngine over the target and draft artifacts, its graphs captured for the windows

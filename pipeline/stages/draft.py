@@ -91,10 +91,12 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     dc = cfg.draft
     device = distributed.device(cfg.device)
     target_art, taps_art = upstream["target"], upstream["taps"]
-    target = load_target(Path(target_art.path)).to(device).eval()
+    index = taps_index(taps_art.path)
+    longest = max(v for k, v in index.items() if k.endswith("_seq_len"))
+    # the target (its head, and the draft's RoPE tables it sizes) at the taps' longest sequence
+    target = load_target(Path(target_art.path), max_seq_len=longest).to(device).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    index = taps_index(taps_art.path)
     if tuple(index["tap_layers"]) != target.cfg.taps or index["hidden_size"] != target.cfg.hidden_size:
         raise ValueError(f"draft: taps {taps_art.path} were taken at layers {index['tap_layers']} of width "
                          f"{index['hidden_size']}, the target has {list(target.cfg.taps)} / {target.cfg.hidden_size}")
