@@ -45,3 +45,28 @@ def test_every_bench_script_answers_help_from_the_repository_root(script):
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "usage:" in res.stdout
+
+
+def test_tau_by_position_pools_each_round_where_its_first_token_falls():
+    """bench.context: a round counts in the bucket of the answer position its first token takes (the prefill's
+    token is position 0), checked against a count made token by token on drawn rounds."""
+    import random
+    from types import SimpleNamespace
+
+    from bench.context import BUCKETS, tau_by_position
+
+    rng = random.Random()
+    results = [SimpleNamespace(emitted=[rng.randint(1, 7) for _ in range(rng.randint(40, 200))]) for _ in range(3)]
+    want = {b: [0, 0] for b in BUCKETS}
+    for r in results:
+        at = 1
+        for e in r.emitted:
+            bucket = [b for b in BUCKETS if b <= at][-1]
+            want[bucket][0] += e
+            want[bucket][1] += 1
+            at += e
+    got = tau_by_position(results)
+    assert list(got) == ["0-64", "64-256", "256-512", "512-1024", "1024-"]
+    for (key, value), b in zip(got.items(), BUCKETS):
+        s, n = want[b]
+        assert value == (s / n if n else None), key

@@ -310,8 +310,9 @@ def test_gguf_target_computes_what_transformers_computes(files, tmp_path, arch):
     art, _ = run_target(tmp_path, f"target.path={path}")
     assert {"tokenizer.json", "config.json", "model.safetensors"} <= set(art.manifest["files"])
     assert art.report["architecture"] == arch and art.report["logit_rel_error"] < 1e-4
-    ours = load_target(art.path, max_seq_len=256)
-    assert ours.cfg.max_seq_len == 128 and ours.cfg.vocab_size == source.config.vocab_size
+    ours = load_target(art.path)
+    assert ours.cfg.max_seq_len == ours.cfg.context_length == source.config.max_position_embeddings
+    assert ours.cfg.vocab_size == source.config.vocab_size
     ref = transformers_model(path)
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     tokens = torch.randint(0, ours.cfg.vocab_size, (2, 24), generator=g)
@@ -533,7 +534,7 @@ def test_real_gguf_matches_transformers(package, tmp_path):
 def real_file_matches(package: str, tmp_path: Path) -> None:
     art, _ = run_target(tmp_path, f"target.package={package}")
     path = Path(art.report["source"])
-    ours = load_target(art.path)
+    ours = load_target(art.path, max_seq_len=256)
     tok = Tokenizer.from_file(str(art.path / "tokenizer.json"))
     ref = transformers_model(path)
     for text in REAL[package]:

@@ -193,7 +193,7 @@ def test_the_cuda_engine_is_built_from_the_engine_group_alone(monkeypatch, quant
     hardware.resolve(cfg)
     seen = {}
     monkeypatch.setattr(cuda_engine, "CudaEngine", lambda spec, **kw: seen.update(kw) or "engine")
-    monkeypatch.setattr("models.load_target", lambda path: tiny_target(seed=0))
+    monkeypatch.setattr("models.load_target", lambda path, max_seq_len: tiny_target(seed=0, max_seq_len=max_seq_len))
     monkeypatch.setattr("models.load_speculators", lambda path, target: tiny_draft(target, seed=1))
     upstream = {"target": SimpleNamespace(path="target"), "draft": SimpleNamespace(path="draft")}
     assert artifacts.engine_upstream(cfg) == ("target", "draft")
