@@ -8,6 +8,9 @@ choice all read them here, so a name offered is a name served.
 - CUDA_QUANTS: the cuda engine's weights (`engine.quant`), each name mapped to the INT4 kernels' options
   (runner.cuda_engine.CudaEngine's `group` and `dense`; None: bf16 weights, no kernels).
 - CUDA_COMPILES: how the cuda engine's calls are compiled before capture (`engine.compile`).
+- PROMPT_FORMATS: the prompts the taps and eval stages cut (`data.prompt_format`; pipeline.prompts.cut).
+- EXPORT_BACKENDS: the .pte's backend (`export.backend`, conf/export/<backend>.yaml; pipeline.export_pte).
+- EXPORT_QUANTS: the .pte's weights (`export.quant`; models.quantize applies them).
 
 Standard library only (models/ is the floor every layer stands on, and validation runs before torch loads).
 """
@@ -25,3 +28,9 @@ CUDA_QUANTS = {"none": None, "int4": {"group": 32, "dense": ("lm_head",)}, "int4
 
 # none: the captured calls as written | inductor: the dense (bf16) engine's calls through torch.compile
 CUDA_COMPILES = ("none", "inductor")
+
+PROMPT_FORMATS = ("plain", "chat")
+
+EXPORT_BACKENDS = ("portable", "xnnpack")
+
+EXPORT_QUANTS = ("none", "int4", "int4_draft")

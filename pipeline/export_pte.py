@@ -119,13 +119,12 @@ from tqdm.auto import tqdm
 
 from kernels.rule import SMALL_M_LIMIT, use_small_m
 from models import quiet
+from models.choices import EXPORT_BACKENDS, EXPORT_QUANTS
 from models.speculator import chain_methods
 from pipeline.pte_segments import data_layout, share_constant_bytes
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("portable", "xnnpack")
-QUANTS = ("none", "int4", "int4_draft")
 TARGET_METHODS = ("prefill", "target_verify", "target_verify_exact", "target_decode")
 
 
@@ -167,10 +166,10 @@ def check_export_args(*, max_m: int, default_chain: int, min_prefill_chunk: int,
     """Every refusal that does not need the model, raised before any tracing or lowering."""
     if not isinstance(draft_chains, bool):
         raise ValueError(f"export.draft_chains={draft_chains!r}: expected true or false")
-    if backend not in BACKENDS:
-        raise ValueError(f"export.backend={backend!r}: supported backends are {BACKENDS}")
-    if quant not in QUANTS:
-        raise ValueError(f"export.quant={quant!r}: supported are {QUANTS}")
+    if backend not in EXPORT_BACKENDS:
+        raise ValueError(f"export.backend={backend!r}: expected one of {', '.join(EXPORT_BACKENDS)}")
+    if quant not in EXPORT_QUANTS:
+        raise ValueError(f"export.quant={quant!r}: expected one of {', '.join(EXPORT_QUANTS)}")
     if quant != "none" and backend != "xnnpack":
         raise ValueError(f"export.quant={quant} needs export=xnnpack (backend {backend!r} has no int4 linear kernels)")
     if quant != "none" and (group_size <= 0 or group_size % 2):

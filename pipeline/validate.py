@@ -15,7 +15,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from models.choices import CUDA_COMPILES, CUDA_QUANTS, ENGINES, POLICIES
+from models.choices import (CUDA_COMPILES, CUDA_QUANTS, ENGINES, EXPORT_BACKENDS, EXPORT_QUANTS, POLICIES,
+                            PROMPT_FORMATS)
 from models.text import read_prompt_file
 
 log = logging.getLogger(__name__)
@@ -303,7 +304,7 @@ def check_config(cfg: DictConfig) -> None:
     c.number_in("data.held_out_fraction", 0.0, 1.0)
     c.int_in("data.max_bytes", 1, nullable=True)
     if c.get("data.prompt_format") is not None:
-        c.choice("data.prompt_format", ("plain", "chat"))
+        c.choice("data.prompt_format", PROMPT_FORMATS)
 
     for group in ("target", "draft"):
         if c.get(f"{group}.train") is not None and c.get(f"{group}.train.autocast") is not None:
@@ -329,6 +330,8 @@ def check_config(cfg: DictConfig) -> None:
             c.fail("draft.train.batch_size", bs, f"at least the {world} ranks of this torchrun job (it is the "
                    "global batch, split among them)")
 
+    c.choice("export.backend", EXPORT_BACKENDS)
+    c.choice("export.quant", EXPORT_QUANTS)
     max_m = c.get("export.max_m") if c.int_in("export.max_m", 2) else None
     c.choice("export.draft_chains", (True, False))
     # default_chain `auto` (pipeline.hardware) is at most DEFAULT_CHAIN; it is checked as itself once resolved
@@ -336,7 +339,8 @@ def check_config(cfg: DictConfig) -> None:
     ints = [chain_ok, c.int_in("export.max_prefill_chunk", 1),
             c.int_in("export.min_prefill_chunk", 1, nullable=True), c.int_in("export.group_size", 2)]
     max_seq_len = c.get("target.max_seq_len")
-    if max_m is not None and all(ints) and _is_int(max_seq_len):  # target=hf with null: checked at export
+    named = c.get("export.backend") in EXPORT_BACKENDS and c.get("export.quant") in EXPORT_QUANTS  # refused above
+    if max_m is not None and all(ints) and named and _is_int(max_seq_len):  # target=hf with null: checked at export
         from pipeline.export_pte import DEFAULT_CHAIN, check_export_args
 
         min_prefill = c.get("export.min_prefill_chunk")
