@@ -79,7 +79,7 @@ SHAPES = {
 DRAFT_VOCAB = 8192
 ASSISTANT_LAYERS = 4
 NEW_TOKENS = 256
-MODES = ("plain", "exact", "int4")  # the engine's modes in `preset`
+MODES = ("bf16", "bf16_exact", "w4_g128")  # the engine's modes in `preset` (w4_g128: engine.quant's scheme)
 PEERS = ("greedy", "prompt_lookup_4", "assisted", "static_compiled")  # transformers' options, in this order
 
 # Gemma 3 270M's config.json (text part) as transformers 4.57 writes it: the real layers, not only the shapes.
@@ -359,7 +359,7 @@ def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int,
     small = hf_llama(target, ASSISTANT_LAYERS)
     # bf16 decoding at T = 1 / every target call at max_m rows (bit-exact across K) / the INT4 kernels at T = 1
     for mode in modes:
-        engine = CudaEngine(spec, device="cuda", exact=mode == "exact", kernels=mode == "int4", **WINDOWS)
+        engine = CudaEngine(spec, device="cuda", exact=mode == "bf16_exact", kernels=mode == "w4_g128", **WINDOWS)
         rows = out["engine"][mode] = {}
         for k in range(MAX_M):
             rows[k] = engine_generate(engine, prompts, k, NEW_TOKENS)
@@ -594,7 +594,7 @@ def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens:
             f"(first call {row['first_call_s']:.0f} s)")
         save()
     if base:  # free-running greedy: tokens until the first difference from the bf16 engine's K = 0
-        int4 = [rows.get(0) for mode, rows in out["engine"].items() if mode.startswith("int4")]
+        int4 = [rows.get(0) for mode, rows in out["engine"].items() if mode.startswith("w4_")]
         for row in [*int4, *out.get("llama.cpp", {}).values(),
                     *out["transformers"].values()]:
             if row:
@@ -610,7 +610,7 @@ def print_peers(result: dict) -> None:
             continue
         r = result[name]
         engines = {f"engine {kind} K={k}": v for kind, rows in r["engine"].items() for k, v in rows.items()}
-        first = next(iter(r["engine"].values()), {})  # the preset's plain engine, Gemma's dense one
+        first = next(iter(r["engine"].values()), {})  # the preset's bf16 engine, Gemma's dense one
         base = first.get("0")
         print(f"\n{name}: tokens/s over whole generations ({r['new_tokens']} new tokens), side by side")
         print(f"{'system':>34} {'tokens/s':>9} {'decode tok/s':>12} {'tau':>5} {'x K=0':>6} {'= K=0':>6}")
@@ -666,8 +666,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="preset: held-out prompts for the engine")
     ap.add_argument("--hf-prompts", type=int, default=4, help="preset: of those, the ones transformers runs")
     ap.add_argument("--modes", default=",".join(MODES),
-                    help="preset: the engine's modes (plain: bf16 at T = 1; exact: every call at max_m rows; "
-                         "int4: the INT4 kernels); transformers' outputs are compared with the first")
+                    help="preset: the engine's modes (bf16: at T = 1; bf16_exact: every call at max_m rows; "
+                         "w4_g128: the INT4 kernels); transformers' outputs are compared with the first")
     ap.add_argument("--peers", default=",".join(PEERS), help=f"preset: transformers' options, of {PEERS}")
     ap.add_argument("--target", default=None, help="real: a real preset (gemma3_270m, smollm2_135m)")
     ap.add_argument("--draft", default=None, help="real: the preset's trained draft (a speculators directory)")

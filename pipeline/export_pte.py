@@ -42,7 +42,7 @@ Constant methods (no inputs; `execute([])` returns a one-element list):
     get_sliding_window -> int        smallest sliding window of any target layer, 0 = none (extra; the
                                      runner keeps prefill chunks within it)
     get_backend -> str               "portable" | "xnnpack" (extra)
-    get_quant -> str                 "none" | "int4" | "int4_draft" (extra)
+    get_quant -> str                 export.quant: "fp32" | "8da4w_draft" | "8da4w_offsets" (extra)
 
 Bounds. The ExecuTorch runtime REJECTS a T above a method's exported maximum (set_inputs fails with error
 0x10) but ACCEPTS a T below its minimum; the runner enforces the lower bounds. input_pos must be
@@ -56,9 +56,9 @@ fine by construction, prefill needs min_prefill_chunk > max_m. draft_decode is e
 acceptance, never the output, and its range [1, max_prefill] must straddle. (XNNPACK and portable have no
 such threshold of their own; the check keeps the .pte valid for the kernels' backend as well.)
 
-Backends: "portable" (no delegate) and "xnnpack" (XnnpackPartitioner; with quant="int4" torchao's
+Backends: "portable" (no delegate) and "xnnpack" (XnnpackPartitioner; with quant="8da4w_offsets" torchao's
 8-bit dynamic activation / int4 grouped weight (8da4w) linears, the quantizer config of ExecuTorch's llama
-export; quant="int4_draft" quantizes the draft's linears only, its fc included, and leaves the target
+export; quant="8da4w_draft" quantizes the draft's linears only, its fc included, and leaves the target
 fp32: the draft's numerics move acceptance, never the output, and its step reads 8x fewer weight bytes). Embeddings stay fp32. The report lists, per method, the delegate calls and the ops left outside
 the delegate.
 
@@ -88,7 +88,7 @@ delegate and read the constant segment, and the tied lm_head, an XNNPACK linear 
 in the named data, which keeps it fast (packed once at load). `pte_segments.share_constant_bytes` points that
 named-data entry at the constant segment's bytes, so the table is stored once (measured, 2 layers, vocab
 262,144 x 640: 1,352.6 MB -> 681.5 MB; 32,768 x 64: 17.6 MB -> 9.2 MB; target_decode outputs bit-identical,
-its time the same within noise, the delegates unchanged). With quant="int4" the lm_head's weight is
+its time the same within noise, the delegates unchanged). With quant="8da4w_offsets" the lm_head's weight is
 int4 (V*H/2 bytes + bf16 scales per group) and genuinely differs from the fp32 table the lookups read, so
 the file holds both (vocab 32,768 x 64, group 32: 8.39 MB fp32 + 1.05 MB int4 + 0.13 MB scales). The
 report gives pte_constant_bytes, pte_named_data_bytes (stored on their own) and pte_shared_bytes (named
@@ -170,9 +170,9 @@ def check_export_args(*, max_m: int, default_chain: int, min_prefill_chunk: int,
         raise ValueError(f"export.backend={backend!r}: expected one of {', '.join(EXPORT_BACKENDS)}")
     if quant not in EXPORT_QUANTS:
         raise ValueError(f"export.quant={quant!r}: expected one of {', '.join(EXPORT_QUANTS)}")
-    if quant != "none" and backend != "xnnpack":
-        raise ValueError(f"export.quant={quant} needs export=xnnpack (backend {backend!r} has no int4 linear kernels)")
-    if quant != "none" and (group_size <= 0 or group_size % 2):
+    if quant != "fp32" and backend != "xnnpack":
+        raise ValueError(f"export.quant={quant} needs export=xnnpack (backend {backend!r} has no 8da4w linear kernels)")
+    if quant != "fp32" and (group_size <= 0 or group_size % 2):
         raise ValueError(f"export.group_size={group_size}: int4 groups must be a positive even size (e.g. 32)")
     if not isinstance(max_m, int) or max_m < 2:
         raise ValueError(f"export.max_m={max_m}: the verify window is T in [2, max_m] (K = T-1 >= 1), "
@@ -346,13 +346,14 @@ def quantize_int4(module: nn.Module, group_size: int, offsets: bool = False) -> 
 
 
 def quantize(speculator: nn.Module, quant: str, group_size: int) -> list[str]:
-    """`export.quant` applied to a models.Speculator in place: `int4_draft` quantizes the draft's linears (symmetric
-    8da4w: its numerics move acceptance only, never the output, and the symmetric step is the cheaper one), `int4`
-    the target's too, with group offsets (GroupOffsetLinear), `none` nothing. -> the linears left in fp32."""
-    if quant == "none":
+    """`export.quant` applied to a models.Speculator in place: `8da4w_draft` quantizes the draft's linears
+    (symmetric 8da4w: its numerics move acceptance only, never the output, and the symmetric step is the cheaper
+    one), `8da4w_offsets` the target's too, with group offsets (GroupOffsetLinear), `fp32` nothing. -> the linears
+    left in fp32."""
+    if quant == "fp32":
         return []
     skipped = [f"draft.{n}" for n in quantize_int4(speculator.draft, group_size)]
-    if quant == "int4":
+    if quant == "8da4w_offsets":
         skipped += [f"target.{n}" for n in quantize_int4(speculator.target, group_size, offsets=True)]
     return skipped
 
@@ -647,13 +648,13 @@ def lower_in_forks(lower, names: list[str], workers: int):
 
 
 def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_prefill_chunk: int,
-               min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "none", group_size: int = 32,
+               min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "fp32", group_size: int = 32,
                out_path: Path | str, manifest_hash: str, progress: bool = True, draft_chains: bool = True,
                attention: str = "llama_ops", fc_norms: bool = True, scratch: Path | None = None) -> dict:
     """Lower `speculator` (a models.Speculator) into one .pte at `out_path`; return a JSON-able report.
 
-    quant="int4" quantizes `speculator` IN PLACE, "int4_draft" its draft (the stage loads a fresh one; copy
-    first to keep fp32).
+    quant="8da4w_offsets" quantizes `speculator` IN PLACE, "8da4w_draft" its draft (the stage loads a fresh one;
+    copy first to keep fp32).
     `attention` is the cached path the methods are traced with (`pick_attention`), `fc_norms` makes every
     RMSNorm's mean a linear (RMSNorm.set_fc_mean); the speculator's caches are reallocated empty. Every argument is checked before tracing starts (ValueError with the offending value).
 
@@ -690,15 +691,15 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
                     "min_prefill_chunk": min_prefill_chunk, "max_prefill_chunk": max_prefill_chunk,
                     "max_seq_len": max_seq_len, "manifest_hash": manifest_hash}
     speculator.eval()
-    if quant != "none":
+    if quant != "fp32":
         report["group_size"] = group_size
         report["fp32_linears"] = quantize(speculator, quant, group_size)
-        if quant == "int4":
+        if quant == "8da4w_offsets":
             grouped = [m for m in target.modules() if isinstance(m, GroupOffsetLinear)]
             report["int4_exact_group_share"] = round(sum(m.exact_share for m in grouped) / max(len(grouped), 1), 4)
-            log.info("int4: %.1f%% of the target's weight groups hold 16 equally spaced values (a 4-bit GGUF's "
+            log.info("8da4w_offsets: %.1f%% of the target's weight groups hold 16 equally spaced values (a 4-bit GGUF's "
                      "blocks), kept exactly", 100 * report["int4_exact_group_share"])
-        log.info("int4 (8da4w, group %d) applied; linears left fp32: %s", group_size, report["fp32_linears"] or "none")
+        log.info("%s (group %d) applied; linears left fp32: %s", quant, group_size, report["fp32_linears"] or "none")
 
     specs = method_specs(max_m=max_m, min_prefill_chunk=min_prefill_chunk, max_prefill_chunk=max_prefill_chunk,
                          hidden=draft.cfg.hidden_size, draft_chains=draft_chains)

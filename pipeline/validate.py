@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from models.choices import (CUDA_COMPILES, CUDA_QUANTS, ENGINES, EXPORT_BACKENDS, EXPORT_QUANTS, POLICIES,
-                            PROMPT_FORMATS)
+                            PROMPT_FORMATS, RENAMED)
 from models.text import read_prompt_file
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,9 @@ class _Checker:
 
     def choice(self, key: str, allowed: tuple) -> None:
         v = self.get(key)
-        if v not in allowed:
+        if v in RENAMED.get(key, {}):  # an old name is refused, never read as whatever it means now
+            self.fail(key, v, f"renamed {RENAMED[key][v]} (one of {', '.join(map(str, allowed))})")
+        elif v not in allowed:
             self.fail(key, v, f"one of {', '.join(map(str, allowed))}")
 
     def existing(self, key: str, *, directory: bool) -> bool:
@@ -256,9 +258,9 @@ def _check_engine(c: _Checker, export_max_m: int | None) -> int | None:
 
     c.choice("engine.quant", tuple(CUDA_QUANTS))
     c.choice("engine.compile", CUDA_COMPILES)
-    if c.get("engine.compile") == "inductor" and c.get("engine.quant") != "none":
+    if c.get("engine.compile") == "inductor" and c.get("engine.quant") != "bf16":
         c.fail("engine.compile", "inductor", f"none with engine.quant={c.get('engine.quant')} (inductor compiles "
-               "the dense bf16 engine; the INT4 kernels are fused already)")
+               "the bf16 engine; the INT4 kernels are fused already)")
     if not isinstance(c.get("engine.device"), str) or c.get("engine.device").split(":")[0] != "cuda":
         c.fail("engine.device", c.get("engine.device"), "a CUDA device: cuda or cuda:N")
     import torch

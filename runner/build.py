@@ -67,7 +67,7 @@ def eager_engine(pte, tokenizer, target, draft, *, device: str = "cpu", exact: b
 
 
 def cuda_engine(target, draft, *, max_m: int, default_chain: int, max_prefill_chunk: int,
-                min_prefill_chunk: int | None = None, device: str = "cuda", quant: str = "none",
+                min_prefill_chunk: int | None = None, device: str = "cuda", quant: str = "bf16",
                 compile: str = "none", exact: bool = True):
     """runner.cuda_engine.CudaEngine over the target and draft artifacts, its graphs captured for the windows
     given (`min_prefill_chunk` None: max_m + 1), its weights as `quant` names (models.choices.CUDA_QUANTS); an
@@ -144,8 +144,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     cuda.add_argument("--max-m", type=cli.integer(2), help="the widest verify call (K <= max_m - 1)")
     cuda.add_argument("--max-prefill-chunk", type=cli.integer(1))
     cuda.add_argument("--min-prefill-chunk", type=cli.integer(1), help="default: max_m + 1")
-    cuda.add_argument("--quant", choices=tuple(CUDA_QUANTS), default="none",
-                      help="the weights: bf16, or the INT4 GPU kernels (engine.quant; models.choices.CUDA_QUANTS)")
+    cuda.add_argument("--quant", choices=tuple(CUDA_QUANTS), default="bf16",
+                      help="the weights: bf16, or 4-bit on the INT4 GPU kernels (engine.quant; models.choices.CUDA_QUANTS)")
     cuda.add_argument("--compile", choices=CUDA_COMPILES, default="none",
                       help="torch.compile the dense engine's calls before capture (engine.compile)")
     cuda.add_argument("--no-exact", dest="exact", action="store_false", help="decode at T=1 (engine.exact=false)")

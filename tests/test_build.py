@@ -26,7 +26,7 @@ def test_each_engine_config_is_the_arguments_of_its_builder(kind):
 
 @pytest.mark.parametrize("options, artifacts, named", [
     ({"kind": "gpu"}, {}, "engine.kind='gpu': expected one of pte, eager, cuda"),
-    ({"kind": "pte", "quant": "int4"}, {}, "engine=pte takes no quant: its options are exact, exact_width"),
+    ({"kind": "pte", "quant": "w4_g32"}, {}, "engine=pte takes no quant: its options are exact, exact_width"),
     ({"kind": "pte", "exact": "auto"}, {"pte": "m.pte", "tokenizer": "t.json"},
      "engine.exact='auto': expected a value"),
     ({"kind": "pte", "exact": True, "exact_width": "auto"}, {"pte": "m.pte", "tokenizer": "t.json"},

@@ -33,7 +33,7 @@ def exact(tmp_path_factory):
     target = tiny_target(seed=0, vocab_size=VOCAB, max_seq_len=64, **SHAPE)
     path = tmp_path_factory.mktemp("exact") / "model.pte"
     export_pte(Speculator(target, tiny_draft(target, seed=1)).eval(), max_m=MAX_M, default_chain=2,
-               max_prefill_chunk=16, min_prefill_chunk=5, backend="xnnpack", quant="int4", out_path=path,
+               max_prefill_chunk=16, min_prefill_chunk=5, backend="xnnpack", quant="8da4w_offsets", out_path=path,
                manifest_hash="0" * 64, progress=False, draft_chains=False)  # exactness is the target's
     plain = PteEngine(path)
     return plain, ExactEngine(plain, MAX_M)
@@ -161,18 +161,18 @@ def test_the_exact_width_is_refused_outside_the_programs_verify_range(exact):
 
 
 def test_auto_exact_is_on_where_a_rows_rounding_can_flip_a_token():
-    assert resolve_exact("auto", engine="pte", quant="int4") and resolve_exact("auto", engine="cuda", quant="none")
-    assert not resolve_exact("auto", engine="pte", quant="none") and not resolve_exact("auto", engine="eager",
-                                                                                          quant="none")
-    assert resolve_exact(True, engine="pte", quant="none") and not resolve_exact(False, engine="cuda", quant="none")
+    assert resolve_exact("auto", engine="pte", quant="8da4w_offsets") and resolve_exact("auto", engine="cuda", quant="fp32")
+    assert not resolve_exact("auto", engine="pte", quant="fp32") and not resolve_exact("auto", engine="eager",
+                                                                                          quant="fp32")
+    assert resolve_exact(True, engine="pte", quant="fp32") and not resolve_exact(False, engine="cuda", quant="fp32")
 
 
 def test_auto_exact_width_is_max_m_on_cuda_and_the_gemm_row_tile_clamped_on_xnnpack(monkeypatch):
     import pipeline.hardware as hardware
 
-    assert resolve_exact_width("auto", max_m=8, backend="xnnpack", quant="int4", engine="cuda") == 8
-    assert resolve_exact_width("auto", max_m=8, backend="portable", quant="int4", engine="pte") == 8
-    assert resolve_exact_width(5, max_m=8, backend="xnnpack", quant="int4", engine="pte") == 5
+    assert resolve_exact_width("auto", max_m=8, backend="xnnpack", quant="8da4w_offsets", engine="cuda") == 8
+    assert resolve_exact_width("auto", max_m=8, backend="portable", quant="8da4w_offsets", engine="pte") == 8
+    assert resolve_exact_width(5, max_m=8, backend="xnnpack", quant="8da4w_offsets", engine="pte") == 5
     for tile, want in ((8, 8), (3, 3), (1, 2), (12, 8)):
         monkeypatch.setattr(hardware, "row_tile", lambda quant, t=tile: {"tile": t, "capability": "test"})
-        assert resolve_exact_width("auto", max_m=8, backend="xnnpack", quant="int4", engine="pte") == want
+        assert resolve_exact_width("auto", max_m=8, backend="xnnpack", quant="8da4w_offsets", engine="pte") == want

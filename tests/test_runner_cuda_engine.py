@@ -174,7 +174,8 @@ def test_graph_replays_in_float32_equal_the_eager_module():
             assert b.output_ids == a.output_ids and b.accepted == a.accepted
 
 
-@pytest.mark.parametrize("quant, export_quant", [("none", "int4"), ("int4", "int4_draft"), ("int4_g128", "none")])
+@pytest.mark.parametrize("quant, export_quant", [("bf16", "8da4w_offsets"), ("w4_g32", "8da4w_draft"),
+                                                         ("w4_g128", "fp32")])
 def test_the_cuda_engine_is_built_from_the_engine_group_alone(monkeypatch, quant, export_quant):
     """The eval stage's engine (pipeline.artifacts.load_engine) is the engine group's: its weights are
     engine.quant's, never export.quant's, and its windows are engine.*'s, never export.*'s."""
@@ -198,14 +199,14 @@ def test_the_cuda_engine_is_built_from_the_engine_group_alone(monkeypatch, quant
     upstream = {"target": SimpleNamespace(path="target"), "draft": SimpleNamespace(path="draft")}
     assert artifacts.engine_upstream(cfg) == ("target", "draft")
     assert artifacts.load_engine(cfg, upstream) == "engine"
-    assert seen["kernels"] == (quant != "none") and seen.get("group") == {"none": None, "int4": 32,
-                                                                           "int4_g128": 128}[quant]
+    assert seen["kernels"] == (quant != "bf16") and seen.get("group") == {"bf16": None, "w4_g32": 32,
+                                                                           "w4_g128": 128}[quant]
     assert (seen["max_m"], seen["default_chain"], seen["max_prefill_chunk"], seen["min_prefill_chunk"]) == (6, 5, 64, 7)
     assert seen["exact"] is True and seen["device"] == "cuda"
 
 
 def test_an_unknown_cuda_quant_is_refused_before_any_weights_are_read(tmp_path):
-    with pytest.raises(ValueError, match=r"engine.quant='int8': expected one of none, int4, int4_g128"):
+    with pytest.raises(ValueError, match=r"engine.quant='int8': expected one of bf16, w4_g32, w4_g128"):
         build_engine({"kind": "cuda", "quant": "int8", **WINDOWS}, target=tmp_path / "absent",
                      draft=tmp_path / "absent")
 
