@@ -177,14 +177,14 @@ def row_tile(quants=("fp32", "8da4w"), max_rows: int = 16, reps: int = 30) -> di
     from torch import nn
     from torch.export import Dim, export
 
-    from pipeline.export_pte import quantize_int4
+    from models.quantize import quantize_8da4w
 
     methods = {}
     for quant in quants:
         torch.manual_seed(0)
         chain = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(24))).eval()
         if quant == "8da4w":
-            quantize_int4(chain, 32)
+            quantize_8da4w(chain, 32)
         ep = export(chain, (torch.randn(1, 4, 512),), dynamic_shapes=({1: Dim("M", min=1, max=max_rows)},),
                     strict=False)
         buf = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch().buffer

@@ -11,7 +11,7 @@ choice all read them here, so a name offered is a name served.
 - CUDA_COMPILES: how the cuda engine's calls are compiled before capture (`engine.compile`).
 - PROMPT_FORMATS: the prompts the taps and eval stages cut (`data.prompt_format`; pipeline.prompts.cut).
 - EXPORT_BACKENDS: the .pte's backend (`export.backend`, conf/export/<backend>.yaml; pipeline.export_pte).
-- EXPORT_QUANTS: the .pte's weights (`export.quant`; pipeline.export_pte applies them): `fp32`; `8da4w_draft` (the
+- EXPORT_QUANTS: the .pte's weights (`export.quant`; models.quantize applies them): `fp32`; `8da4w_draft` (the
   draft's linears int8 dynamic activations x int4 weights in symmetric groups of export.group_size, the target
   fp32); `8da4w_offsets` (every linear 8da4w, the target's groups with a float offset each).
 - RENAMED: the names these lists used before, each mapped to the name that replaced it, so that validation

@@ -112,7 +112,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim, export
 from tqdm.auto import tqdm
@@ -120,6 +119,7 @@ from tqdm.auto import tqdm
 from kernels.rule import SMALL_M_LIMIT, use_small_m
 from models import quiet
 from models.choices import EXPORT_BACKENDS, EXPORT_QUANTS
+from models.quantize import GroupOffsetLinear, quantize
 from models.speculator import chain_methods
 from pipeline.pte_segments import data_layout, share_constant_bytes
 
@@ -258,104 +258,6 @@ def method_specs(*, max_m: int, min_prefill_chunk: int, max_prefill_chunk: int, 
         specs[name] = (lambda s, k=k: _DraftChain(s, k), (tokens, torch.zeros(1, T, hidden), pos),
                        ({1: d}, {1: d}, {0: d}), (1, max_m))
     return specs
-
-
-# --- quantization --------------------------------------------------------------------------------------
-def int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] as d * q + o per group of `group` inputs: q int8 in [-8, 7]; d and o float [N, K / group], d
-    exact in bf16 (XNNPACK keeps block scales in bf16); `exact` [N, K / group]: the group holds at most 16
-    equally spaced values, as a Q4_1 or Q4_K block of a GGUF target does, and d * q + o gives them back within
-    d's bf16 rounding (at most 2^-9 d (q_max - q_min) / 2). Elsewhere the group's range in 15 steps: asymmetric
-    rounding, at most half a step from each weight."""
-    N, K = w.shape
-    x = w.detach().reshape(N, K // group, group).double()
-    lo, hi = x.amin(-1), x.amax(-1)
-    gaps = x.sort(-1).values.diff(dim=-1)
-    gaps = torch.where(gaps > (hi - lo)[..., None] * 1e-4, gaps, torch.inf)
-    step = gaps.amin(-1)  # a grid's step: the smallest gap between distinct values
-    k = (x - lo[..., None]) / step[..., None]
-    exact = torch.isfinite(step) & ((k - k.round()).abs().amax(-1) < 1e-3) & (k.round().amax(-1) <= 15)
-    step = torch.where(exact, step, (hi - lo) / 15)
-    step = torch.where(step > 0, step, torch.ones_like(step))  # a constant group: q = -8, o its value + 8
-    q = ((x - lo[..., None]) / step[..., None]).round().clamp(0, 15)
-    d = step.to(torch.bfloat16).double()
-    middle = (q.amin(-1) + q.amax(-1)) / 2 - 8  # the bf16 scale's error, centred on the group's codes
-    o = lo + 8 * step + (step - d) * middle
-    return (q - 8).to(torch.int8).reshape(N, K), d.float(), o.float(), exact
-
-
-class GroupOffsetLinear(nn.Module):
-    """A linear whose weight is d * q + o per group of inputs (`int4_groups`), as XNNPACK runs it: the 8da4w GEMM
-    of the symmetric part d * q (int8 dynamic per-token activations, XNNPACK's only blockwise 4-bit layout) plus
-    the offsets' share, sum over groups of o times the group's sum of x, as two fp32 linears (the group sums, a
-    constant 0/1 matrix, then the offsets) that stay in the same delegate. A symmetric group spends half its
-    codes on values a skewed group never holds, and rounds a GGUF's 4-bit block a second time; the offsets
-    make every group asymmetric and a 16-level one exact. They add K / group fp32 weights per output row (a
-    quarter of the int4 bytes at group 32)."""
-
-    def __init__(self, linear: nn.Linear, group: int):
-        super().__init__()
-        from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
-            IntxUnpackedToInt8Tensor,
-        )
-
-        N, K = linear.weight.shape
-        q, d, o, exact = int4_groups(linear.weight, group)
-        self.exact_share = float(exact.float().mean())
-        weight = IntxUnpackedToInt8Tensor.from_hp(
-            q.float() * d.repeat_interleave(group, 1), (1, group), torch.int4, intx_choose_qparams_algorithm=None,
-            custom_scale=d, custom_zero_point=torch.zeros_like(d, dtype=torch.int8),
-            activation_quantization="int8_asym_per_token")
-        self.main = nn.Linear(K, N, bias=linear.bias is not None)
-        self.main.weight = nn.Parameter(weight, requires_grad=False)
-        if linear.bias is not None:
-            self.main.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self.register_buffer("group_sums", torch.block_diag(*[torch.ones(1, group)] * (K // group)))
-        self.offsets = nn.Linear(K // group, N, bias=False)
-        self.offsets.weight = nn.Parameter(o, requires_grad=False)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The int4 part's weight: the dense weight's shape, dtype and device, as a quantized nn.Linear's."""
-        return self.main.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.main(x) + self.offsets(F.linear(x, self.group_sums))
-
-
-def quantize_int4(module: nn.Module, group_size: int, offsets: bool = False) -> list[str]:
-    """int4 in place, every nn.Linear whose in_features is a multiple of group_size: 8da4w (int8 dynamic per-token
-    activations, int4 weights in symmetric groups of `group_size`), or with `offsets` a GroupOffsetLinear
-    (asymmetric groups, exact on a 4-bit GGUF's blocks). Embeddings stay fp32. -> the names of the linears left
-    in fp32."""
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerGroup
-
-    eligible = lambda m: isinstance(m, nn.Linear) and m.in_features % group_size == 0  # noqa: E731
-    skipped = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and not eligible(m)]
-    if not offsets:
-        quantize_(module, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
-                                                                weight_granularity=PerGroup(group_size)),
-                  filter_fn=lambda m, fqn: eligible(m))
-        return skipped
-    for name, m in list(module.named_modules()):
-        if eligible(m):
-            parent, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(parent) if parent else module, attr, GroupOffsetLinear(m, group_size))
-    return skipped
-
-
-def quantize(speculator: nn.Module, quant: str, group_size: int) -> list[str]:
-    """`export.quant` applied to a models.Speculator in place: `8da4w_draft` quantizes the draft's linears
-    (symmetric 8da4w: its numerics move acceptance only, never the output, and the symmetric step is the cheaper
-    one), `8da4w_offsets` the target's too, with group offsets (GroupOffsetLinear), `fp32` nothing. -> the linears
-    left in fp32."""
-    if quant == "fp32":
-        return []
-    skipped = [f"draft.{n}" for n in quantize_int4(speculator.draft, group_size)]
-    if quant == "8da4w_offsets":
-        skipped += [f"target.{n}" for n in quantize_int4(speculator.target, group_size, offsets=True)]
-    return skipped
 
 
 # --- lowering --------------------------------------------------------------------------------------
@@ -696,9 +598,9 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
         report["fp32_linears"] = quantize(speculator, quant, group_size)
         if quant == "8da4w_offsets":
             grouped = [m for m in target.modules() if isinstance(m, GroupOffsetLinear)]
-            report["int4_exact_group_share"] = round(sum(m.exact_share for m in grouped) / max(len(grouped), 1), 4)
-            log.info("8da4w_offsets: %.1f%% of the target's weight groups hold 16 equally spaced values (a 4-bit GGUF's "
-                     "blocks), kept exactly", 100 * report["int4_exact_group_share"])
+            report["grid_group_share"] = round(sum(m.grid_share for m in grouped) / max(len(grouped), 1), 4)
+            log.info("8da4w_offsets: %.1f%% of the target's weight groups are 4-bit grids (a 4-bit GGUF's blocks), "
+                     "kept as they are", 100 * report["grid_group_share"])
         log.info("%s (group %d) applied; linears left fp32: %s", quant, group_size, report["fp32_linears"] or "none")
 
     specs = method_specs(max_m=max_m, min_prefill_chunk=min_prefill_chunk, max_prefill_chunk=max_prefill_chunk,

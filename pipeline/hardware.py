@@ -233,7 +233,7 @@ def measure_row_tile(weights: str, reps: int = 10) -> dict:
     from torch import nn
     from torch.export import Dim, export
 
-    from pipeline.export_pte import quantize_int4
+    from models.quantize import quantize_8da4w
 
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
@@ -243,7 +243,7 @@ def measure_row_tile(weights: str, reps: int = 10) -> dict:
         chain = nn.Sequential(nn.Linear(1024, 2048, bias=False), nn.Linear(2048, 1024, bias=False),
                               nn.Linear(1024, 2048, bias=False), nn.Linear(2048, 1024, bias=False)).eval()
         if weights == "8da4w":
-            quantize_int4(chain, 32)
+            quantize_8da4w(chain, 32)
         ep = export(chain, (torch.randn(1, 4, 1024),), dynamic_shapes=({1: Dim("M", min=1, max=MAX_PROBE_ROWS)},),
                     strict=False)
         buf = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch().buffer

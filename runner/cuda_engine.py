@@ -9,7 +9,7 @@ rule and the exported range cannot disagree. The draft's K-1 steps per round rea
 it gains from INT4 as the target does.
 
 INT4: the weights are quantised as loaded (float32 from the loaders: a GGUF's dequantised values) and only
-then cast, because kernels.int4_gemm.quantize_int4 keeps a GGUF's 4-bit blocks exactly only where it sees
+then cast, because models.quantize.quantize_w4 keeps a GGUF's 4-bit blocks exactly only where it sees
 them unrounded; bf16 rounding hides the grid and every block is quantised again. `dense` names linears kept
 in bf16: at group 32 with a bf16 lm_head the INT4 target stays closest to the file (docs/results.md). The
 config's schemes (`engine.quant`) are these options under their names (models.choices.CUDA_QUANTS), and

@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from models import Speculator, load_target, save_speculators, save_target, tiny_draft, tiny_target
+from models.quantize import quantize
 from models.speculator import chain_methods
 from pipeline.store import Artifact
 from pipeline.stages import export as export_stage
@@ -102,7 +103,7 @@ def exported(request, pair, tmp_path_factory):
 def eager(pair, quant="fp32"):
     """A fresh eager Speculator with the stage's weights (8da4w_offsets, 8da4w_draft: quantized the same way)."""
     spec = export_stage.load_pair(pair[0].path, pair[1].path)
-    export_lib.quantize(spec, quant, 32)
+    quantize(spec, quant, 32)
     return spec
 
 

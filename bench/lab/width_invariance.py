@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     from models import quiet  # first: its filters are installed before torchao is imported
 
     from models.gguf import package_gguf, read_gguf
-    from pipeline.export_pte import export_pte, quantize
+    from models.quantize import quantize
+    from pipeline.export_pte import export_pte
     from runner.engine import PteEngine
 
     torch.set_num_threads(1)
