@@ -193,8 +193,8 @@ def _check_lengths(c: _Checker) -> None:
     except (OSError, ValueError):
         return  # refused above, naming the file
     tokenizer = Path(str(c.get("target.path"))) / "tokenizer.json" if c.get("target.kind") == "hf" else None
-    exact = _is_int(c.get("target.max_seq_len")) or c.get("target.kind") == "hf"
-    if not (exact and tokenizer is not None and tokenizer.is_file()):
+    known = _is_int(c.get("target.max_seq_len")) or c.get("target.kind") == "hf"
+    if not (known and tokenizer is not None and tokenizer.is_file()):
         budget = max_seq_len - max_new
         unsure = [n for n, text in enumerate(texts, 1) if len(text.encode("utf-8")) + 1 > budget]
         if unsure:

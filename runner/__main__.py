@@ -2,7 +2,7 @@
 
     python -m runner --pte model.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4
     python -m runner --pte model.pte --tokenizer tokenizer.json --prompt-file prompts.txt --chain 0
-    python -m runner --pte int4.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4 --exact-width 8
+    python -m runner --pte model.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4 --exact-width 8
     python -m runner --engine cuda --target TARGET_DIR --draft DRAFT_DIR --tokenizer TARGET_DIR/tokenizer.json \
         --max-m 8 --max-prefill-chunk 128 --prompt "def main(" --chain 4
 
