@@ -1,4 +1,4 @@
-"""GPU kernels for verify-sized calls (M <= max_m rows), each beside its plain PyTorch reference.
+"""GPU kernels for verify-sized calls (M <= max_m rows), each beside its PyTorch reference.
 
 - rule: the dispatch rule, M <= max_m -> these kernels, else the dense path (standard library only);
 - dispatch: the rule applied to a linear layer and to cached attention;

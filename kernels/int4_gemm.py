@@ -33,7 +33,7 @@ On a Hopper GPU `int4_mm` hands the shapes kernels/int4_gluon.py is tuned for (a
 kernel, the same arithmetic warp-specialised in Gluon. The import goes one way: what both kernels need at
 launch (the row limit, the PDL switch, the split-K counters) lives in kernels/int4_launch.py.
 
-`int4_mm_reference` is the plain PyTorch definition (dequantise, then matmul) the tests compare against.
+`int4_mm_reference` is the PyTorch definition (dequantise, then matmul) the tests compare against.
 """
 
 from __future__ import annotations

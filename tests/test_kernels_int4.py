@@ -142,7 +142,7 @@ def test_gluon_prep_scales_x_so_the_fp16_product_is_exact(interpret, seed, M, bl
     assert ((y - ref).abs() <= 1e-5 * magnitude.amax(1, keepdim=True)).all(), f"seed {seed}"
 
 
-def test_op_matches_plain_reference(interpret, seed):
+def test_op_matches_the_reference(interpret, seed):
     packed, scale_zero = quantize_w4(torch.randn(64, 128), 32)
     x = torch.randn(3, 128).to(torch.bfloat16)
     out = G.int4_mm(x, packed, scale_zero, 32)
