@@ -1,102 +1,42 @@
 """Lower one models.Speculator into ONE ExecuTorch program that serves every chain length K in [1, max_m-1].
 
-This is the upstream change in one sentence: target_verify is exported with a dynamic window T in
-[2, max_m] instead of a static T = K+1, so K is chosen by the runner at run time and a sweep over K never
-re-exports. No Hydra here: `export_pte(...)` is a plain function the export stage (and tests) call.
+The program's methods, described here and nowhere else (README.md and docs/design.md point here). Batch 1; ids
+int64, floats fp32; H = the draft's hidden size (the feature's width), V = the target's vocabulary, Vd = the draft's.
+Every method returns a list, in this order; T is the call's rows, dynamic within the range given:
 
-The program (batch 1; ids int64, floats fp32; H = feature width = draft hidden, V = target vocab,
-Vd = draft vocab). Every method returns a list, in this order:
+    prefill(tokens[1,T], input_pos[T]) -> next_id[1,1], feature[1,T,H], logits[1,V]
+        T in [min_prefill_chunk, max_prefill_chunk]: the prompt, in chunks
+    target_decode(tokens[1,1], input_pos[1]) -> ids[1,1], logits[1,1,V]
+        T = 1: the K = 0 baseline
+    target_verify(tokens[1,T], input_pos[T]) -> ids[1,T], feature[1,T,H], logits[1,T,V]
+        T in [2, max_m]: a round's anchor and K proposals
+    target_verify_exact(tokens[1,T], input_pos[T]) -> as target_verify
+        T in [2, max_m]; its attention (eagle3::exact_sdpa) gives a row the same bits in any call: exact mode's
+        every target call, at engine.exact_width rows (runner.engine.ExactEngine)
+    draft_decode(tokens[1,T], feature[1,T,H], input_pos[T]) -> ids[1,T] (target vocab), g[1,T,H], logits[1,T,Vd]
+        T in [1, max(max_prefill_chunk, max_m)]: the draft seeded on the prompt, a reseed, or one step
+    draft_chain_<k>(tokens[1,T], feature[1,T,H], input_pos[T]) -> ids[1,k] (target vocab)
+        T in [1, max_m]; one per k in [1, max_m-1] with export.draft_chains: draft_decode's seeding on the T rows,
+        then k-1 steps on its own proposals, a greedy round's draft in one call (Speculator.draft_chain)
 
-    method          inputs                                            outputs                                       T range
-    prefill         tokens[1,T], input_pos[T]                         next_id[1,1], feature[1,T,H], logits[1,V]    [min_prefill_chunk, max_prefill_chunk]
-    target_verify   tokens[1,T], input_pos[T]                         ids[1,T], feature[1,T,H], logits[1,T,V]      [2, max_m]
-    target_verify_exact  as target_verify, attending through eagle3::exact_sdpa (exact mode)               [2, max_m]
-    target_decode   tokens[1,1], input_pos[1]                         ids[1,1], logits[1,1,V]                      1 (the K=0 baseline)
-    draft_decode    tokens[1,T], feature[1,T,H], input_pos[T]         ids[1,T] (TARGET vocab), g[1,T,H], logits[1,T,Vd]   [1, max(max_prefill_chunk, max_m)]
-    draft_chain_<k> tokens[1,T], feature[1,T,H], input_pos[T]         ids[1,k] (TARGET vocab)                      [1, max_m]
-                    one per K = k in [1, max_m-1] with draft_chains=True (export.draft_chains): a greedy
-                    round's draft in one call (draft_decode's seeding on the T rows, then k-1 single steps on
-                    its own proposals; Speculator.draft_chain)
+The target methods share one KV cache, the draft methods another: every method wraps the same Speculator under the
+same attribute name, so each cache buffer has one name in every graph, planned once for the program
+(`share_mutable_buffers`). A method writes K/V at input_pos, which must be contiguous and below max_seq_len, and
+attends to keys at or before each row's position, so nothing is rolled back: a later call overwrites a rejected slot.
+The runtime refuses a T above a method's range but not below it; the runner enforces the lower bounds.
 
-Shared state. The methods are traced from thin wrapper modules that all hold the SAME Speculator under the
-same attribute name, so every KV-cache buffer has one fully qualified name in every graph. With
-`MemoryPlanningPass(share_mutable_buffers=True)` and `emit_mutable_buffer_names=True` each name is planned
-once for the whole program: prefill, target_verify(_exact) and target_decode read and write one target cache,
-draft_decode and the draft_chain_<k> own the draft cache. State lives as long as the loaded program; a second
-`Runtime.load_program` starts from a fresh arena (zeros in the Python runtime; the causal mask hides
-every slot that was not written, and later writes overwrite rejected slots, so nothing needs a reset).
+Constant methods (no inputs; `execute([])` returns a one-element list): get_max_m, get_chain_len (the default K,
+export.default_chain), get_max_seq_len, get_vocab_size (V), get_draft_vocab_size (Vd), get_max_prefill_chunk,
+get_min_prefill_chunk, get_manifest_hash (64 hex chars tying the program to its target, tokenizer and draft; the
+export stage computes it), get_d2t (int64[Vd]: target id = draft id + d2t[draft id]), get_hidden_size (H),
+get_sliding_window (the smallest window of any target layer, 0 for none), get_backend (export.backend), get_quant
+(export.quant: fp32 | 8da4w_draft | 8da4w_offsets, models.quantize).
 
-Constant methods (no inputs; `execute([])` returns a one-element list):
-
-    get_max_m -> int                 largest verify window; the runner accepts K in [1, max_m-1]
-    get_chain_len -> int             the default K, export.default_chain (runtime.chain overrides it)
-    get_max_seq_len -> int           cache length of target and draft
-    get_vocab_size -> int            V
-    get_draft_vocab_size -> int      Vd
-    get_max_prefill_chunk -> int
-    get_min_prefill_chunk -> int     > max_m (see the dispatch rule below)
-    get_manifest_hash -> str         64 lowercase hex chars: sha256 tying the program to target, tokenizer,
-                                     draft, tap layers and d2t (computed by the export stage; opaque here)
-    get_d2t -> Tensor int64[Vd]      target_id = draft_id + d2t[draft_id]
-    get_hidden_size -> int           H (extra)
-    get_sliding_window -> int        smallest sliding window of any target layer, 0 = none (extra; the
-                                     runner keeps prefill chunks within it)
-    get_backend -> str               "portable" | "xnnpack" (extra)
-    get_quant -> str                 export.quant: "fp32" | "8da4w_draft" | "8da4w_offsets" (extra)
-
-Bounds. The ExecuTorch runtime REJECTS a T above a method's exported maximum (set_inputs fails with error
-0x10) but ACCEPTS a T below its minimum; the runner enforces the lower bounds. input_pos must be
-contiguous (the llama_ops graph reads only its first entry) and stay below max_seq_len: the runner
-checks both (the graph's own checks of the start position are not a contract).
-
-Dispatch rule: written once, as kernels.rule.use_small_m (M <= max_m: the small-M kernels, else the
-dense path; docs/design.md §5; torch-free, so reading it loads no Triton). `check_dispatch_windows` refuses any exported target T range whose ends fall on
-different sides, so every K resolves to the same kernels and the same numerics: [2, max_m] and T = 1 are
-fine by construction, prefill needs min_prefill_chunk > max_m. draft_decode is exempt: its numerics change
-acceptance, never the output, and its range [1, max_prefill] must straddle. (XNNPACK and portable have no
-such threshold of their own; the check keeps the .pte valid for the kernels' backend as well.)
-
-Backends: "portable" (no delegate) and "xnnpack" (XnnpackPartitioner; with quant="8da4w_offsets" torchao's
-8-bit dynamic activation / int4 grouped weight (8da4w) linears, the quantizer config of ExecuTorch's llama
-export; quant="8da4w_draft" quantizes the draft's linears only, its fc included, and leaves the target
-fp32: the draft's numerics move acceptance, never the output, and its step reads 8x fewer weight bytes). Embeddings stay fp32. The report lists, per method, the delegate calls and the ops left outside
-the delegate.
-
-The graph the methods are traced with (`attention="llama_ops"`, `fc_norms=True`, the defaults): the same
-modules as the eager reference, with two seams switched (models.layers). Attention runs on ExecuTorch's own
-LLM ops: `llama::update_cache` writes K/V into a [1, S, kv, hd] cache at start = input_pos[0], and
-`llama::custom_sdpa` attends causally from that start over the keys 0..start+T-1 only, with GQA inside the
-kernel (no expanded copy of the cache) and no mask tensor (a sliding-window layer takes one additive float
-mask [T, S], built once per call). RMSNorm's mean is a linear with a constant 1/dim weight, RoPE's
-rotate_half a linear with a constant +-1 weight (exact), and every view names T as -1: with a dynamic T,
-XNNPACK takes a linear and a reshape with one inferred dim, but no mean over the last dim of a 3-D tensor,
-no dynamic slice or split and no reshape with a symbolic dim. So each layer leaves exactly its two cache
-writes and its attention outside the delegate, and a method is about one delegate call per layer (the
-default target's target_verify: 10 delegate calls, 44 ops outside, of which 24 are the layers' ops and the
-rest a fixed few per call: the start position and its checks, the RoPE table lookups, the embedding, the
-argmax). The invariant this adds: input_pos is contiguous, arange(start, start+T), as the runner always
-passes it. A model with an attention soft-cap (no such option in custom_sdpa) keeps the reference graph
-(`pick_attention`). The .pte needs the llama:: kernels registered in the runtime that loads it
-(models.layers.load_llama_ops; runner.engine.PteEngine does it).
-
-Stored once. Every weight is one range of the file, however many methods, models and consumers read it.
-Equal constants of the methods share one constant-segment entry (the emitter keys them by content),
-and equal delegate weights share one named-data entry (XNNPACK keys them by sha256). The token embedding
-is the largest table (Gemma 3 270M: 262,144 x 640 fp32, 671 MB, most of the weights) and has three
-readers: the target's lookup and the draft's (one Parameter, models.Speculator), which run outside the
-delegate and read the constant segment, and the tied lm_head, an XNNPACK linear whose static weight lives
-in the named data, which keeps it fast (packed once at load). `pte_segments.share_constant_bytes` points that
-named-data entry at the constant segment's bytes, so the table is stored once (measured, 2 layers, vocab
-262,144 x 640: 1,352.6 MB -> 681.5 MB; 32,768 x 64: 17.6 MB -> 9.2 MB; target_decode outputs bit-identical,
-its time the same within noise, the delegates unchanged). With quant="8da4w_offsets" the lm_head's weight is
-int4 (V*H/2 bytes + bf16 scales per group) and genuinely differs from the fp32 table the lookups read, so
-the file holds both (vocab 32,768 x 64, group 32: 8.39 MB fp32 + 1.05 MB int4 + 0.13 MB scales). The
-report gives pte_constant_bytes, pte_named_data_bytes (stored on their own) and pte_shared_bytes (named
-data read from the constant segment).
-
-Baked at export: weights, d2t, max_m, the T ranges and the metadata above. Not baked: K, sampling, stop
-tokens, the prompt. Out of scope here: CUDA/AOTInductor (needs the kernels' triton_ops with fake impls and
-ExecuTorch's CudaPartitioner).
+Baked: the weights, d2t, max_m, the T ranges and the constants. Chosen at run time: K, the policy, sampling, stop
+tokens, the prompt. No target range straddles the dispatch rule (kernels.rule.use_small_m, docs/design.md §5:
+`check_dispatch_windows`). The graphs attend through ExecuTorch's llama ops (models.layers), so the .pte needs them
+registered where it loads (runner.engine.PteEngine does it), and each weight is stored once (pipeline.pte_segments).
+`export_pte(...)` takes no Hydra config: the export stage and the tests call it.
 """
 
 from __future__ import annotations

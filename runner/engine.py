@@ -1,18 +1,10 @@
 """The engine interface the speculative loop is written against, and two of its implementations (the third,
 CUDA graphs on the GPU kernels, is runner/cuda_engine.py).
 
-An engine exposes the methods of the exported program (docs/design.md §2) under the same names:
-
-    prefill(tokens[1,T], input_pos[T])              -> (next_id [1,1], feature [1,T,H], logits [1,V])
-    target_verify(tokens[1,T], input_pos[T])        -> (ids [1,T], feature [1,T,H], logits [1,T,V])
-    target_decode(tokens[1,1], input_pos[1])        -> (ids [1,1], logits [1,1,V])
-    draft_decode(tokens[1,T], feature[1,T,H], input_pos[T]) -> (ids [1,T] target vocab, g [1,T,H], logits [1,T,Vd])
-    draft_chain(k, tokens[1,T], feature[1,T,H], input_pos[T]) -> ids [1,k] target vocab (the program's draft_chain_<k>)
-
-prefill and target_verify share the target KV cache; target_decode uses it too; draft_decode and draft_chain own
-the draft cache.
-Every method writes its K/V at `input_pos` and attends to `key_pos <= query_pos`, so a caller never rolls
-back: a later call at the same positions overwrites stale slots, and slots beyond the query are masked.
+An engine exposes the methods of the exported program under the same names, with the same inputs, outputs and
+caches (described once, in pipeline/export_pte.py's docstring): prefill, target_decode, target_verify,
+target_verify_exact (the .pte and eager engines), draft_decode, and draft_chain(k, ...) for the program's
+draft_chain_<k>. A caller never rolls back: a later call at the same positions overwrites stale slots.
 
 `meta` holds what the loop needs to pick and check its windows: max_m (largest verify window), default_chain
 (default K), max_seq_len, vocab_size, draft_vocab_size, max_prefill_chunk, min_prefill_chunk (the exported
