@@ -151,7 +151,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     cuda.add_argument("--max-prefill-chunk", type=cli.integer(1))
     cuda.add_argument("--min-prefill-chunk", type=cli.integer(1), help="default: max_m + 1")
     cuda.add_argument("--quant", choices=tuple(CUDA_QUANTS), default="bf16",
-                      help="the weights: bf16, or 4-bit on the INT4 GPU kernels (engine.quant; models.choices.CUDA_QUANTS)")
+                      help="the weights: bf16, or 4-bit on the INT4 GPU kernels (engine.quant, "
+                           "models.choices.CUDA_QUANTS)")
     cuda.add_argument("--compile", choices=CUDA_COMPILES, default="none",
                       help="torch.compile the dense engine's calls before capture (engine.compile)")
     cuda.add_argument("--exact", action="store_true",

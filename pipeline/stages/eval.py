@@ -31,8 +31,8 @@ draft_ms_per_round (the draft calls of a round), round_ms (a round's whole wall 
 calls included), prefill_ms (per prompt, target prefill + draft seeding), rounds, emitted_tokens, lossless,
 n_prompts, exact_width (0: not exact). In exact mode (`engine.exact`, runner.engine.ExactEngine) the baseline
 is the exact K=0, whose tokens every K must give, and the program's own T=1 decode (target_decode, outside
-exact mode) runs too: target_decode_tokens_per_s, speedup_vs_target_decode. Throughputs are decode tokens (after the prefill bonus) over decode time,
-summed over prompts. After a one-prompt warm-up of both runs, which is not counted.
+exact mode) runs too: target_decode_tokens_per_s, speedup_vs_target_decode. Throughputs are decode tokens (after
+the prefill bonus) over decode time, summed over prompts. After a one-prompt warm-up of both runs, which is not counted.
 
 Timing. A pass decodes every prompt at K = 0 and then at K, prompt by prompt, so a slow phase of a shared machine
 lands on both; passes repeat until the last three speedups lie within `runtime.repeat_tolerance` of their median,
