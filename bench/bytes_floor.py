@@ -40,14 +40,14 @@ def gguf_weight_bytes(path: Path) -> int:
 
 def target_weight_bytes(target, quant: str, group: int = 32) -> int:
     """Bytes of the target's weights a decode step reads as the .pte stores them: every matrix (a tied
-    embedding once, as the head; an untied embedding one row, not counted) at 4 bytes (fp32) or, int4, at 4
+    embedding once, as the head; an untied embedding one row, not counted) at 4 bytes (fp32) or, 8da4w_offsets, at 4
     bits plus a 16-bit scale and a 32-bit offset per group of `group` (XNNPACK's blockwise qb4w and
-    export_pte.GroupOffsetLinear) where in_features divides."""
+    models.quantize.GroupOffsetLinear) where in_features divides."""
     total = 0
     for name, p in target.named_parameters():
         if name == "embed_tokens.weight" and not target.cfg.tie_embeddings:
             continue
-        if quant == "int4" and p.ndim == 2 and p.shape[1] % group == 0:
+        if quant == "8da4w_offsets" and p.ndim == 2 and p.shape[1] % group == 0:
             total += p.numel() // 2 + p.numel() // group * (2 + 4)
         else:
             total += 4 * p.numel()

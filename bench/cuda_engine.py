@@ -79,7 +79,7 @@ SHAPES = {
 DRAFT_VOCAB = 8192
 ASSISTANT_LAYERS = 4
 NEW_TOKENS = 256
-MODES = ("plain", "exact", "int4")  # the engine's modes in `preset`
+MODES = ("bf16", "bf16_exact", "w4_g128")  # the engine's modes in `preset` (w4_g128: engine.quant's scheme)
 PEERS = ("greedy", "prompt_lookup_4", "assisted", "static_compiled")  # transformers' options, in this order
 
 # Gemma 3 270M's config.json (text part) as transformers 4.57 writes it: the real layers, not only the shapes.
@@ -150,7 +150,7 @@ def check() -> dict:
     draft = Eagle3Draft(draft_config_for(cfg))
     draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight.data)
     out = {"transformers_equal": [], "lossless": {}}
-    engine = CudaEngine(Speculator(target, draft), device="cuda", dtype="float32", **WINDOWS)
+    engine = CudaEngine(Speculator(target, draft), device="cuda", dtype="float32", exact=False, **WINDOWS)
     for seed in range(4):
         ids = prompt(24 + 7 * seed, hf_cfg.vocab_size, seed)
         ours = generate(engine, ids, chain=0, max_new_tokens=64).output_ids
@@ -159,7 +159,7 @@ def check() -> dict:
         out["transformers_equal"].append(ours == theirs)
     for kernels in (False, True):
         spec = random_speculator(SHAPES["smollm2_135m"] | dict(n_layers=4), max_seq_len=512, seed=1)
-        engine = CudaEngine(spec, device="cuda", kernels=kernels, **WINDOWS)
+        engine = CudaEngine(spec, device="cuda", kernels=kernels, exact=False, **WINDOWS)
         ok = []
         for seed in range(3):
             ids = prompt(40 + seed, 49152, 10 + seed)
@@ -196,7 +196,7 @@ def wall_ms(fn, reps: int = 50) -> float:
 def shape_costs(shape: dict, kernels: bool, context: int, new_tokens: int) -> dict:
     spec = random_speculator(shape, max_seq_len=context + new_tokens + 2 * MAX_M)
     t = time.perf_counter()
-    engine = CudaEngine(spec, device="cuda", kernels=kernels, **WINDOWS)
+    engine = CudaEngine(spec, device="cuda", kernels=kernels, exact=False, **WINDOWS)
     load_s = time.perf_counter() - t
     H = spec.draft.cfg.hidden_size
     P = context  # calls at the end of a full context, as a long generation sees them
@@ -359,7 +359,7 @@ def preset(out: dict, save, store: str, n_prompts: int, hf_prompts: int,
     small = hf_llama(target, ASSISTANT_LAYERS)
     # bf16 decoding at T = 1 / every target call at max_m rows (bit-exact across K) / the INT4 kernels at T = 1
     for mode in modes:
-        engine = CudaEngine(spec, device="cuda", exact=mode == "exact", kernels=mode == "int4", **WINDOWS)
+        engine = CudaEngine(spec, device="cuda", exact=mode == "bf16_exact", kernels=mode == "w4_g128", **WINDOWS)
         rows = out["engine"][mode] = {}
         for k in range(MAX_M):
             rows[k] = engine_generate(engine, prompts, k, NEW_TOKENS)
@@ -421,7 +421,7 @@ def gemma(out: dict, save, context: int = 128) -> None:
     ids = [prompt(context, GEMMA3_270M["vocab_size"], s) for s in range(2)]
     for kernels in (False, True):
         spec = random_speculator(SHAPES["gemma3_270m_layers"], max_seq_len=context + NEW_TOKENS + 2 * MAX_M)
-        engine = CudaEngine(spec, device="cuda", kernels=kernels, **WINDOWS)
+        engine = CudaEngine(spec, device="cuda", kernels=kernels, exact=False, **WINDOWS)
         rows = out["engine"]["kernels" if kernels else "dense"] = {}
         for k in (0, 3, 5, 7):
             rows[k] = engine_generate(engine, ids, k, NEW_TOKENS)
@@ -477,7 +477,7 @@ def timed_engine(spec: Speculator, **kw) -> tuple[CudaEngine, float]:
     import copy
 
     t = time.perf_counter()
-    engine = CudaEngine(copy.deepcopy(spec), device="cuda", **WINDOWS, **kw)
+    engine = CudaEngine(copy.deepcopy(spec), device="cuda", **WINDOWS, **{"exact": False, **kw})
     torch.cuda.synchronize()
     return engine, time.perf_counter() - t
 
@@ -595,7 +595,7 @@ def real(out: dict, save, name: str, draft_dir: str, n_prompts: int, new_tokens:
             f"(first call {row['first_call_s']:.0f} s)")
         save()
     if base:  # free-running greedy: tokens until the first difference from the bf16 engine's K = 0
-        int4 = [rows.get(0) for mode, rows in out["engine"].items() if mode.startswith("int4")]
+        int4 = [rows.get(0) for mode, rows in out["engine"].items() if mode.startswith("w4_")]
         for row in [*int4, *out.get("llama.cpp", {}).values(),
                     *out["transformers"].values()]:
             if row:
@@ -611,7 +611,7 @@ def print_peers(result: dict) -> None:
             continue
         r = result[name]
         engines = {f"engine {kind} K={k}": v for kind, rows in r["engine"].items() for k, v in rows.items()}
-        first = next(iter(r["engine"].values()), {})  # the preset's plain engine, Gemma's dense one
+        first = next(iter(r["engine"].values()), {})  # the preset's bf16 engine, Gemma's dense one
         base = first.get("0")
         print(f"\n{name}: tokens/s over whole generations ({r['new_tokens']} new tokens), side by side")
         print(f"{'system':>34} {'tokens/s':>9} {'decode tok/s':>12} {'tau':>5} {'x K=0':>6} {'= K=0':>6}")
@@ -667,8 +667,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="preset: held-out prompts for the engine")
     ap.add_argument("--hf-prompts", type=int, default=4, help="preset: of those, the ones transformers runs")
     ap.add_argument("--modes", default=",".join(MODES),
-                    help="preset: the engine's modes (plain: bf16 at T = 1; exact: every call at max_m rows; "
-                         "int4: the INT4 kernels); transformers' outputs are compared with the first")
+                    help="preset: the engine's modes (bf16: at T = 1; bf16_exact: every call at max_m rows; "
+                         "w4_g128: the INT4 kernels); transformers' outputs are compared with the first")
     ap.add_argument("--peers", default=",".join(PEERS), help=f"preset: transformers' options, of {PEERS}")
     ap.add_argument("--target", default=None, help="real: a real preset (gemma3_270m, smollm2_135m)")
     ap.add_argument("--draft", default=None, help="real: the preset's trained draft (a speculators directory)")

@@ -3,7 +3,7 @@
     python -m bench.export_latency --store                 # every model.pte in outputs/store/export/
     python -m bench.export_latency --pte a.pte b.pte       # given files
     python -m bench.export_latency --row-tile              # XNNPACK's GEMM row tile: a linear chain at M=1..16
-    python -m bench.export_latency --random xnnpack:none xnnpack:int4 portable:none xnnpack:none:index_copy
+    python -m bench.export_latency --random xnnpack:fp32 xnnpack:8da4w_offsets portable:fp32 xnnpack:fp32:index_copy
                                                           # export a RANDOM model of the embedded default's
                                                           # size first (conf/target/tiny.yaml), timing it;
                                                           # a third field picks the attention (kv_impl:
@@ -168,7 +168,7 @@ def measure_all(paths: list[Path], calls: int, warmup: int, reps: int,
     return [b.result(names) for b, names in zip(benches, chosen)]
 
 
-def row_tile(quants=("none", "int4"), max_rows: int = 16, reps: int = 30) -> dict:
+def row_tile(quants=("fp32", "8da4w"), max_rows: int = 16, reps: int = 30) -> dict:
     """The XNNPACK GEMM row tile: a chain of 24 linears 512 -> 512 (24 MB fp32, more than the caches hold)
     lowered with a dynamic M in [1, max_rows], timed at every M; -> {quant: [p10 time(M) / time(1)]}.
     A step in the curve is a second pass of the micro-kernel over the rows, which reads the weights again."""
@@ -178,14 +178,14 @@ def row_tile(quants=("none", "int4"), max_rows: int = 16, reps: int = 30) -> dic
     from torch import nn
     from torch.export import Dim, export
 
-    from pipeline.export_pte import quantize_int4
+    from models.quantize import quantize_8da4w
 
     methods = {}
     for quant in quants:
         torch.manual_seed(0)
         chain = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(24))).eval()
-        if quant == "int4":
-            quantize_int4(chain, 32)
+        if quant == "8da4w":
+            quantize_8da4w(chain, 32)
         ep = export(chain, (torch.randn(1, 4, 512),), dynamic_shapes=({1: Dim("M", min=1, max=max_rows)},),
                     strict=False)
         buf = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     src.add_argument("--pte", nargs="+", type=Path)
     src.add_argument("--store", action="store_true", help="every model.pte under outputs/store/export")
     src.add_argument("--random", nargs="+", metavar="BACKEND:QUANT")
-    src.add_argument("--row-tile", action="store_true", help="time a linear chain at M = 1..16 rows (fp32, int4)")
+    src.add_argument("--row-tile", action="store_true", help="time a linear chain at M = 1..16 rows (fp32, 8da4w)")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--max-m", type=int, default=8)
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
         from pipeline.hardware import cpu_fingerprint
 
         result = {"machine": cpu_fingerprint(), "load_avg_1min": os.getloadavg()[0], **row_tile()}
-        for q in ("none", "int4"):
+        for q in ("fp32", "8da4w"):
             print(f"{q:5} T=1 {result[q]['m1_p10_ms']:.3f} ms; time(M)/time(1), M = 1..16: {result[q]['ratio_to_m1']}")
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))

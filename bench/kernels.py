@@ -48,6 +48,7 @@ from kernels import int4_gemm as G
 from kernels import int4_gluon, int4_launch
 from kernels import sdpa_midm as S
 from kernels._jit import note_launch
+from models.quantize import dequantize_w4, quantize_w4
 
 L2_BYTES = 60e6
 GEMM_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (5376, 21504), (21504, 5376), (8192, 28672)]
@@ -159,7 +160,7 @@ def check_graph_replay(out: dict):
     GEMMs run in sequence (each call's output is the next one's x) through every path: Gluon with the prep kernel
     and TRIGGER (so the next call's programs start before this one ends), Gluon in one launch, Triton."""
     sequence = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 5000)]  # K x N
-    weights = [tuple(t.cuda() for t in G.quantize_int4(torch.randn(N, K, device="cuda") * 0.02, 128))
+    weights = [tuple(t.cuda() for t in quantize_w4(torch.randn(N, K, device="cuda") * 0.02, 128))
                for K, N in sequence]
     x = torch.randn(8, 4096, device="cuda").to(torch.bfloat16)
     k, v = (torch.randn(1, 8, 9000, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
@@ -200,11 +201,11 @@ def check_int4(out: dict):
     splits = (None, (64, 256, 3, 4, 3, 96), (64, 256, 6, 4, 3, 96))  # K = 6144: 24 k-tiles of 256
     for group, K, cfgs in ((32, 4096, shapes), (128, 4096, shapes), (128, 6144, splits)):
         N = 3000
-        packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K, device="cuda"), group))
+        packed, scale_zero = (t.cuda() for t in quantize_w4(torch.randn(N, K, device="cuda"), group))
         worst = 0.0
         for M in range(1, 17):
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-            ref = x.double() @ G.dequantize_int4(packed, scale_zero, group, torch.float64).t()
+            ref = x.double() @ dequantize_w4(packed, scale_zero, group, torch.float64).t()
             for cfg in cfgs:
                 y = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
                 G.launch_int4_mm(x, packed, scale_zero, group, cfg, out=y)
@@ -219,19 +220,19 @@ def check_int4(out: dict):
     # on 4096x4096)
     worst = 0.0
     for K, N in ((4096, 14336), (14336, 4096), (21504, 5376), (4096, 16384), (4096, 4096)):
-        packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K, device="cuda"), 128))
+        packed, scale_zero = (t.cuda() for t in quantize_w4(torch.randn(N, K, device="cuda"), 128))
         assert int4_gluon.pick(K, N, 128, torch.device("cuda")) is not None and int4_gluon.usable(packed)
         for M in range(1, 17):
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             y = G.int4_mm(x, packed, scale_zero, 128)
-            worst = max(worst, rel_err(y, x.double() @ G.dequantize_int4(packed, scale_zero, 128, torch.float64).t()))
+            worst = max(worst, rel_err(y, x.double() @ dequantize_w4(packed, scale_zero, 128, torch.float64).t()))
     assert worst < 1e-2 and not G.counters(torch.device("cuda")).any(), f"int4 gluon: rel err {worst}"
     out["int4_gluon_worst_rel_err"] = worst
     log(f"check int4 gluon path (5 shapes, M 1..16): worst rel err {worst:.2e}")
     # the peer: torch's int4 GEMM on the same weights (to_tinygemm's packing)
-    packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(1024, 4096, device="cuda"), 128))
+    packed, scale_zero = (t.cuda() for t in quantize_w4(torch.randn(1024, 4096, device="cuda"), 128))
     x = torch.randn(4, 4096, device="cuda").to(torch.bfloat16)
-    ref = x.double() @ G.dequantize_int4(packed, scale_zero, 128, torch.float64).t()
+    ref = x.double() @ dequantize_w4(packed, scale_zero, 128, torch.float64).t()
     err = rel_err(G.tinygemm_mm(x, *G.to_tinygemm(packed, scale_zero, 128), 128), ref)
     assert err < 1e-2, f"torch int4 on our weights: rel err {err}"
     out["tinygemm_rel_err"] = err
@@ -298,7 +299,7 @@ def gemm_operands(K, N, group, copies):
     ws = []
     for _ in range(copies):
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        ws.append(G.quantize_int4(w, group))
+        ws.append(quantize_w4(w, group))
     return ws
 
 

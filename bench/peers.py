@@ -332,10 +332,10 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
                 skipped.append(f"{target}: llama.cpp f32 rows ({e})")
     for quant in args.quants:
         if quant not in picked:
-            skipped.append(f"{target}: ours {quant} (no {'xnnpack quant=' + ('none' if quant == 'fp32' else quant)}"
+            skipped.append(f"{target}: ours {quant} (no xnnpack quant={quant}"
                            f" export artifact of this target in the store"
                            + (f": the preset pipeline takes ~40 minutes here, python -m pipeline target={target} "
-                              f"+stage=export export.quant={'none' if quant == 'fp32' else quant}" if target != "tiny" else
+                              f"+stage=export export.quant={quant}" if target != "tiny" else
                               f": python -m pipeline +stage=export export.quant={quant} threads=1") + ")")
 
     prompts = make_prompts(tokenizer, prompt_format, chat_template, args.prompts, args.prompt_len, args.seed)
@@ -486,8 +486,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quants", default="int4_draft,int4",
-                    help="our .pte rows: export.quant values (fp32 = none; int4_draft's target is fp32 too)")
+    ap.add_argument("--quants", default="8da4w_draft,8da4w_offsets",
+                    help="our .pte rows: export.quant values (8da4w_draft's target is fp32 too)")
     ap.add_argument("--exact-width", default="auto", help="exact-mode rows of the int4 .pte at this width "
                     "(runtime.exact_width; auto: the CPU's 8da4w row tile; 0: none)")
     ap.add_argument("--quality-windows", type=int, default=16,

@@ -14,7 +14,7 @@ import torch
 from bench import llama_run
 
 
-FP32_TARGET = ("fp32", "int4_draft")  # our quants whose target is the fp32 model
+FP32_TARGET = ("fp32", "8da4w_draft")  # our quants whose target is the fp32 model
 
 
 def eager_greedy(target, prompts: list[list[int]], n_new: int) -> dict[int, list[int]]:

@@ -623,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     from runner.build import build_engine
 
     torch.set_num_threads(args.threads)
-    engine = build_engine({"kind": "pte"}, pte=pte, tokenizer=tok_path)  # as runner.serve builds it
+    # as runner.serve builds it without --exact-width
+    engine = build_engine({"kind": "pte", "exact": False, "exact_width": None}, pte=pte, tokenizer=tok_path)
     tokenizer = Tokenizer.from_file(str(tok_path))
     head = {"command": "python -m bench.serve " + " ".join(argv if argv is not None else sys.argv[1:]),
             "pte": str(pte), "tokenizer": str(tok_path), "threads": args.threads, "machine": machine(),

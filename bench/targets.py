@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from models.choices import RENAMED
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TARGETS = ("tiny", "smollm2_135m", "gemma3_270m")
@@ -26,7 +28,7 @@ def store_exports(store_root: Path) -> list[dict]:
             tm = json.loads((store_root / "target" / tkey / "manifest.json").read_text())
         except (OSError, KeyError, ValueError):
             continue
-        out.append({"key": m["key"], "path": manifest.parent, "quant": m["config"]["export"].get("quant", "none"),
+        out.append({"key": m["key"], "path": manifest.parent, "quant": RENAMED["export.quant"].get(q := m["config"]["export"]["quant"], q),
                     "export": m["config"]["export"], "report": m.get("report", {}), "created_at": m.get("created_at"),
                     "git_commit": m.get("git_commit"),
                     "target_key": tkey, "target_path": store_root / "target" / tkey,
@@ -48,7 +50,7 @@ def pick_exports(exports: list[dict], target: str) -> dict[str, dict]:
     chosen = {}
     for e in sorted(exports, key=lambda e: e["created_at"] or ""):
         if which_target(e["target_cfg"]) == target and e["export"].get("backend") == "xnnpack":
-            chosen[{"none": "fp32"}.get(e["quant"], e["quant"])] = e
+            chosen[e["quant"]] = e
     return chosen
 
 

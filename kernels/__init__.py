@@ -1,9 +1,9 @@
-"""GPU kernels for verify-sized calls (M <= max_m rows), each beside its plain PyTorch reference.
+"""GPU kernels for verify-sized calls (M <= max_m rows), each beside its PyTorch reference.
 
 - rule: the dispatch rule, M <= max_m -> these kernels, else the dense path (standard library only);
 - dispatch: the rule applied to a linear layer and to cached attention;
-- int4_gemm: INT4 weight-only GEMM, weight-stationary for M <= 16 (`int4_mm`, `quantize_int4`,
-  `int4_mm_reference`), in Triton; on a Hopper GPU `int4_mm` runs the tuned and the large group-128 shapes on
+- int4_gemm: INT4 weight-only GEMM, weight-stationary for M <= 16 (`int4_mm`, `int4_mm_reference`; the weights
+  as models.quantize.quantize_w4 writes them), in Triton; on a Hopper GPU `int4_mm` runs the tuned and the large group-128 shapes on
   int4_gluon, the same arithmetic warp-specialised in Gluon (a TMA producer warp feeding one consumer
   warpgroup); int4_launch holds what the two share at launch (the row limit, the PDL switch, the split-K
   counters);

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_gemm import dequantize_int4, int4_mm, tinygemm_mm
+from kernels.int4_gemm import int4_mm, tinygemm_mm
 from kernels.rule import int4_path, use_small_m
 from kernels.sdpa_midm import sdpa_midm, visible
+from models.quantize import dequantize_w4
 
 
 def int4_matmul(x2: torch.Tensor, packed, scale_zero, group: int, tinygemm=None) -> torch.Tensor:
@@ -40,7 +41,7 @@ def int4_linear(x: torch.Tensor, packed, scale_zero, group: int, max_m: int, bia
     elif tinygemm is not None:
         y = tinygemm_mm(x2, *tinygemm, group)
     else:
-        y = x2 @ dequantize_int4(packed, scale_zero, group, x.dtype).t()
+        y = x2 @ dequantize_w4(packed, scale_zero, group, x.dtype).t()
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], packed.shape[0])

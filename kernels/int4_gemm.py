@@ -1,12 +1,11 @@
 """INT4 weight-only GEMM for small M: every weight byte is read once for all M <= 16 activation rows.
 
-Format (ours, group g in {32, 128}):
+Format: models.quantize's w4 (`quantize_w4` writes it, `dequantize_w4` defines it; group g in W4_GROUPS):
   packed uint8 [N, K/2]  byte j of row n holds k = 2j in the low nibble and k = 2j+1 in the high nibble;
   scale_zero   bf16 [K/g, N, 2]: [..., 0] the scale, [..., 1] the zero (group-major, so one group's values for
                a tile of columns are contiguous, and a column's pair is one 32-bit word; tinygemm's layout);
   w[n, k] = (q[n, k] - zero[k // g, n]) * scale[k // g, n], with q in 0..15 and the zero an integer code in
-  0..15, or any bf16 number for a group that is a 4-bit grid already (`quantize_int4`; every kernel applies
-  the zero in float32).
+  0..15, or any bf16 number for a group that is a 4-bit grid already (every kernel applies the zero in float32).
 
 Two launches per call. `_int4_prep_kernel` reads x once and writes what every program of the GEMM would
 otherwise recompute: x with the k order inside each group permuted (see below) and the per-group sums
@@ -34,7 +33,7 @@ On a Hopper GPU `int4_mm` hands the shapes kernels/int4_gluon.py is tuned for (a
 kernel, the same arithmetic warp-specialised in Gluon. The import goes one way: what both kernels need at
 launch (the row limit, the PDL switch, the split-K counters) lives in kernels/int4_launch.py.
 
-`int4_mm_reference` is the plain PyTorch definition (dequantise, then matmul) the tests compare against.
+`int4_mm_reference` is the PyTorch definition (dequantise, then matmul) the tests compare against.
 """
 
 from __future__ import annotations
@@ -49,55 +48,16 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels import int4_gluon, int4_launch
 from kernels._jit import TUNED_SMS, compiled, lazy_jit, note_launch, pdl_capable, sm_count
 from kernels.int4_launch import BLOCK_M, MAX_TILES, counters
+from models.quantize import dequantize_w4, unpack_w4
 
 USE_PTX = True  # the one-instruction lop3 on the GPU (False: plain and/or, same values, one more op per pair)
-GROUPS = (32, 128)
 
 
-# ----------------------------------------------------------------------------- format and reference
-
-def quantize_int4(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantisation of w [N, K] -> (packed uint8 [N, K/2], scale_zero bf16 [K/g, N, 2]).
-
-    A group whose weights already sit on 16 equally spaced levels from its minimum to its maximum (a 4-bit
-    GGUF block: Q4_1's min + d * q, any float min) keeps that grid: its zero is -min / scale as a bf16
-    number, and the block comes back within its scale's and zero's bf16 rounding. Any other group's range is
-    widened to hold 0 and takes the integer code round(-min / scale), which puts 0 on its levels. Measured on the
-    held-out loss at group 128 (bench/lab/int4_quality): SmolLM2 (Q4_1) +0.270 nats with integer zeros everywhere,
-    +0.134 so; Gemma 3 (its GGUF mostly 5 to 8 bits) +0.682 with integer zeros, +0.876 with every zero fractional."""
-    N, K = w.shape
-    if group not in GROUPS or K % group:
-        raise ValueError(f"group {group} must be one of {GROUPS} and divide K={K}")
-    wg = w.detach().float().reshape(N, K // group, group)
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    levels = (wg - lo[..., None]) / ((hi - lo) / 15).clamp(min=1e-30)[..., None]
-    on_grid = (levels - levels.round()).abs().amax(-1) < 1e-3
-    # an integer zero is a level in [0, 15], so the range of a group off the grid must hold 0
-    lo, hi = torch.where(on_grid, lo, lo.clamp(max=0)), torch.where(on_grid, hi, hi.clamp(min=0))
-    scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16).float()  # quantise against the stored scale
-    zero = torch.where(on_grid, (-lo / scale).to(torch.bfloat16).float(), (-lo / scale).round().clamp(0, 15))
-    q = (wg / scale[..., None] + zero[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(N, K)
-    packed = q[:, 0::2] | (q[:, 1::2] << 4)
-    scale_zero = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()
-    return packed.contiguous(), scale_zero
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """packed uint8 [N, K/2] -> q uint8 [N, K]."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
-
-
-def dequantize_int4(packed, scale_zero, group: int, dtype=torch.bfloat16) -> torch.Tensor:
-    """-> w [N, K] in `dtype`, computed in float32 then rounded once."""
-    q = unpack_int4(packed).float()
-    s = scale_zero[..., 0].float().t().repeat_interleave(group, dim=1)
-    z = scale_zero[..., 1].float().t().repeat_interleave(group, dim=1)
-    return ((q - z) * s).to(dtype)
-
+# ----------------------------------------------------------------------------- reference
 
 def int4_mm_reference(x: torch.Tensor, packed, scale_zero, group: int) -> torch.Tensor:
-    """x [M, K] @ dequantize(w).T -> [M, N] in x's dtype."""
-    return x @ dequantize_int4(packed, scale_zero, group, x.dtype).t()
+    """x [M, K] @ dequantize_w4(w).T -> [M, N] in x's dtype."""
+    return x @ dequantize_w4(packed, scale_zero, group, x.dtype).t()
 
 
 # ----------------------------------------------------------------------------- torch's int4 GEMM
@@ -107,7 +67,7 @@ def to_tinygemm(packed, scale_zero, group: int) -> tuple[torch.Tensor, torch.Ten
     weights exactly: it dequantises w = (q - 8) * scale + zero_f, so zero_f = (8 - zero) * scale. On CUDA its
     packing takes even k in the high nibble and inner k tiles (8 where K allows) that divide K / 16 (SmolLM2's
     K = 576 takes 4); on the CPU it takes the unpacked values."""
-    q = unpack_int4(packed).to(torch.int32)
+    q = unpack_w4(packed).to(torch.int32)
     inner = next(t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0)
     if packed.is_cuda:
         w = torch.ops.aten._convert_weight_to_int4pack(((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous(),

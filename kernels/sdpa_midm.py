@@ -26,7 +26,7 @@ visible key, in order, REDUCE_BLOCK at a time) with a log-sum-exp reduce and wri
 buffer returned as its [B, Hq, M, D] view, so the usual `.transpose(1, 2).reshape(B, M, Hq*D)` that follows is
 free.
 
-`sdpa_reference` is the plain PyTorch definition the tests compare against.
+`sdpa_reference` is the PyTorch definition the tests compare against.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def visible(q_pos: torch.Tensor, L: int, valid_len=None, window: int = 0) -> tor
 
 
 def sdpa_reference(q, k, v, q_pos, valid_len=None, window: int = 0, scale: float | None = None):
-    """Plain attention in float32: softmax(q k^T * scale, masked) v with GQA. -> [B, Hq, M, D] in q's dtype."""
+    """Attention in float32, written out: softmax(q k^T * scale, masked) v with GQA. -> [B, Hq, M, D] in q's dtype."""
     B, Hq, M, D = q.shape
     G = Hq // k.shape[1]
     scale = D ** -0.5 if scale is None else scale

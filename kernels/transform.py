@@ -28,10 +28,11 @@ from torch import nn
 
 from kernels import dispatch
 from kernels._jit import note_launch
-from kernels.int4_gemm import quantize_int4, to_tinygemm
+from kernels.int4_gemm import to_tinygemm
 from kernels.norm_rope import geglu, rms_norm, rope, swiglu
 from kernels.rule import check_max_m, torch_int4_rows
 from models.layers import MLP, Attention, RMSNorm, gelu_tanh
+from models.quantize import quantize_w4
 
 
 class Int4Linear(nn.Module):
@@ -41,7 +42,7 @@ class Int4Linear(nn.Module):
         # a width the asked-for group does not divide (SmolLM2's 576) takes the finer group 32
         group = group if linear.in_features % group == 0 else 32
         self.group, self.max_m = group, check_max_m(max_m)
-        packed, scale_zero = quantize_int4(linear.weight.detach(), group)
+        packed, scale_zero = quantize_w4(linear.weight.detach(), group)
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zero", scale_zero)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),

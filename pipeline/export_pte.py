@@ -1,102 +1,42 @@
 """Lower one models.Speculator into ONE ExecuTorch program that serves every chain length K in [1, max_m-1].
 
-This is the upstream change in one sentence: target_verify is exported with a dynamic window T in
-[2, max_m] instead of a static T = K+1, so K is chosen by the runner at run time and a sweep over K never
-re-exports. No Hydra here: `export_pte(...)` is a plain function the export stage (and tests) call.
+The program's methods, described here and nowhere else (README.md and docs/design.md point here). Batch 1; ids
+int64, floats fp32; H = the draft's hidden size (the feature's width), V = the target's vocabulary, Vd = the draft's.
+Every method returns a list, in this order; T is the call's rows, dynamic within the range given:
 
-The program (batch 1; ids int64, floats fp32; H = feature width = draft hidden, V = target vocab,
-Vd = draft vocab). Every method returns a list, in this order:
+    prefill(tokens[1,T], input_pos[T]) -> next_id[1,1], feature[1,T,H], logits[1,V]
+        T in [min_prefill_chunk, max_prefill_chunk]: the prompt, in chunks
+    target_decode(tokens[1,1], input_pos[1]) -> ids[1,1], logits[1,1,V]
+        T = 1: the K = 0 baseline
+    target_verify(tokens[1,T], input_pos[T]) -> ids[1,T], feature[1,T,H], logits[1,T,V]
+        T in [2, max_m]: a round's anchor and K proposals
+    target_verify_exact(tokens[1,T], input_pos[T]) -> as target_verify
+        T in [2, max_m]; its attention (eagle3::exact_sdpa) gives a row the same bits in any call: exact mode's
+        every target call, at engine.exact_width rows (runner.engine.ExactEngine)
+    draft_decode(tokens[1,T], feature[1,T,H], input_pos[T]) -> ids[1,T] (target vocab), g[1,T,H], logits[1,T,Vd]
+        T in [1, max(max_prefill_chunk, max_m)]: the draft seeded on the prompt, a reseed, or one step
+    draft_chain_<k>(tokens[1,T], feature[1,T,H], input_pos[T]) -> ids[1,k] (target vocab)
+        T in [1, max_m]; one per k in [1, max_m-1] with export.draft_chains: draft_decode's seeding on the T rows,
+        then k-1 steps on its own proposals, a greedy round's draft in one call (Speculator.draft_chain)
 
-    method          inputs                                            outputs                                       T range
-    prefill         tokens[1,T], input_pos[T]                         next_id[1,1], feature[1,T,H], logits[1,V]    [min_prefill_chunk, max_prefill_chunk]
-    target_verify   tokens[1,T], input_pos[T]                         ids[1,T], feature[1,T,H], logits[1,T,V]      [2, max_m]
-    target_verify_exact  as target_verify, attending through eagle3::exact_sdpa (exact mode)               [2, max_m]
-    target_decode   tokens[1,1], input_pos[1]                         ids[1,1], logits[1,1,V]                      1 (the K=0 baseline)
-    draft_decode    tokens[1,T], feature[1,T,H], input_pos[T]         ids[1,T] (TARGET vocab), g[1,T,H], logits[1,T,Vd]   [1, max(max_prefill_chunk, max_m)]
-    draft_chain_<k> tokens[1,T], feature[1,T,H], input_pos[T]         ids[1,k] (TARGET vocab)                      [1, max_m]
-                    one per K = k in [1, max_m-1] with draft_chains=True (export.draft_chains): a greedy
-                    round's draft in one call (draft_decode's seeding on the T rows, then k-1 single steps on
-                    its own proposals; Speculator.draft_chain)
+The target methods share one KV cache, the draft methods another: every method wraps the same Speculator under the
+same attribute name, so each cache buffer has one name in every graph, planned once for the program
+(`share_mutable_buffers`). A method writes K/V at input_pos, which must be contiguous and below max_seq_len, and
+attends to keys at or before each row's position, so nothing is rolled back: a later call overwrites a rejected slot.
+The runtime refuses a T above a method's range but not below it; the runner enforces the lower bounds.
 
-Shared state. The methods are traced from thin wrapper modules that all hold the SAME Speculator under the
-same attribute name, so every KV-cache buffer has one fully qualified name in every graph. With
-`MemoryPlanningPass(share_mutable_buffers=True)` and `emit_mutable_buffer_names=True` each name is planned
-once for the whole program: prefill, target_verify(_exact) and target_decode read and write one target cache,
-draft_decode and the draft_chain_<k> own the draft cache. State lives as long as the loaded program; a second
-`Runtime.load_program` starts from a fresh arena (zeros in the Python runtime; the causal mask hides
-every slot that was not written, and later writes overwrite rejected slots, so nothing needs a reset).
+Constant methods (no inputs; `execute([])` returns a one-element list): get_max_m, get_chain_len (the default K,
+export.default_chain), get_max_seq_len, get_vocab_size (V), get_draft_vocab_size (Vd), get_max_prefill_chunk,
+get_min_prefill_chunk, get_manifest_hash (64 hex chars tying the program to its target, tokenizer and draft; the
+export stage computes it), get_d2t (int64[Vd]: target id = draft id + d2t[draft id]), get_hidden_size (H),
+get_sliding_window (the smallest window of any target layer, 0 for none), get_backend (export.backend), get_quant
+(export.quant: fp32 | 8da4w_draft | 8da4w_offsets, models.quantize).
 
-Constant methods (no inputs; `execute([])` returns a one-element list):
-
-    get_max_m -> int                 largest verify window; the runner accepts K in [1, max_m-1]
-    get_chain_len -> int             the default K, export.default_chain (runtime.chain overrides it)
-    get_max_seq_len -> int           cache length of target and draft
-    get_vocab_size -> int            V
-    get_draft_vocab_size -> int      Vd
-    get_max_prefill_chunk -> int
-    get_min_prefill_chunk -> int     > max_m (see the dispatch rule below)
-    get_manifest_hash -> str         64 lowercase hex chars: sha256 tying the program to target, tokenizer,
-                                     draft, tap layers and d2t (computed by the export stage; opaque here)
-    get_d2t -> Tensor int64[Vd]      target_id = draft_id + d2t[draft_id]
-    get_hidden_size -> int           H (extra)
-    get_sliding_window -> int        smallest sliding window of any target layer, 0 = none (extra; the
-                                     runner keeps prefill chunks within it)
-    get_backend -> str               "portable" | "xnnpack" (extra)
-    get_quant -> str                 "none" | "int4" | "int4_draft" (extra)
-
-Bounds. The ExecuTorch runtime REJECTS a T above a method's exported maximum (set_inputs fails with error
-0x10) but ACCEPTS a T below its minimum; the runner enforces the lower bounds. input_pos must be
-contiguous (the llama_ops graph reads only its first entry) and stay below max_seq_len: the runner
-checks both (the graph's own checks of the start position are not a contract).
-
-Dispatch rule: written once, as kernels.rule.use_small_m (M <= max_m: the small-M kernels, else the
-dense path; docs/design.md §5; torch-free, so reading it loads no Triton). `check_dispatch_windows` refuses any exported target T range whose ends fall on
-different sides, so every K resolves to the same kernels and the same numerics: [2, max_m] and T = 1 are
-fine by construction, prefill needs min_prefill_chunk > max_m. draft_decode is exempt: its numerics change
-acceptance, never the output, and its range [1, max_prefill] must straddle. (XNNPACK and portable have no
-such threshold of their own; the check keeps the .pte valid for the kernels' backend as well.)
-
-Backends: "portable" (no delegate) and "xnnpack" (XnnpackPartitioner; with quant="int4" torchao's
-8-bit dynamic activation / int4 grouped weight (8da4w) linears, the quantizer config of ExecuTorch's llama
-export; quant="int4_draft" quantizes the draft's linears only, its fc included, and leaves the target
-fp32: the draft's numerics move acceptance, never the output, and its step reads 8x fewer weight bytes). Embeddings stay fp32. The report lists, per method, the delegate calls and the ops left outside
-the delegate.
-
-The graph the methods are traced with (`attention="llama_ops"`, `fc_norms=True`, the defaults): the same
-modules as the eager reference, with two seams switched (models.layers). Attention runs on ExecuTorch's own
-LLM ops: `llama::update_cache` writes K/V into a [1, S, kv, hd] cache at start = input_pos[0], and
-`llama::custom_sdpa` attends causally from that start over the keys 0..start+T-1 only, with GQA inside the
-kernel (no expanded copy of the cache) and no mask tensor (a sliding-window layer takes one additive float
-mask [T, S], built once per call). RMSNorm's mean is a linear with a constant 1/dim weight, RoPE's
-rotate_half a linear with a constant +-1 weight (exact), and every view names T as -1: with a dynamic T,
-XNNPACK takes a linear and a reshape with one inferred dim, but no mean over the last dim of a 3-D tensor,
-no dynamic slice or split and no reshape with a symbolic dim. So each layer leaves exactly its two cache
-writes and its attention outside the delegate, and a method is about one delegate call per layer (the
-default target's target_verify: 10 delegate calls, 44 ops outside, of which 24 are the layers' ops and the
-rest a fixed few per call: the start position and its checks, the RoPE table lookups, the embedding, the
-argmax). The invariant this adds: input_pos is contiguous, arange(start, start+T), as the runner always
-passes it. A model with an attention soft-cap (no such option in custom_sdpa) keeps the reference graph
-(`pick_attention`). The .pte needs the llama:: kernels registered in the runtime that loads it
-(models.layers.load_llama_ops; runner.engine.PteEngine does it).
-
-Stored once. Every weight is one range of the file, however many methods, models and consumers read it.
-Equal constants of the methods share one constant-segment entry (the emitter keys them by content),
-and equal delegate weights share one named-data entry (XNNPACK keys them by sha256). The token embedding
-is the largest table (Gemma 3 270M: 262,144 x 640 fp32, 671 MB, most of the weights) and has three
-readers: the target's lookup and the draft's (one Parameter, models.Speculator), which run outside the
-delegate and read the constant segment, and the tied lm_head, an XNNPACK linear whose static weight lives
-in the named data, which keeps it fast (packed once at load). `pte_segments.share_constant_bytes` points that
-named-data entry at the constant segment's bytes, so the table is stored once (measured, 2 layers, vocab
-262,144 x 640: 1,352.6 MB -> 681.5 MB; 32,768 x 64: 17.6 MB -> 9.2 MB; target_decode outputs bit-identical,
-its time the same within noise, the delegates unchanged). With quant="int4" the lm_head's weight is
-int4 (V*H/2 bytes + bf16 scales per group) and genuinely differs from the fp32 table the lookups read, so
-the file holds both (vocab 32,768 x 64, group 32: 8.39 MB fp32 + 1.05 MB int4 + 0.13 MB scales). The
-report gives pte_constant_bytes, pte_named_data_bytes (stored on their own) and pte_shared_bytes (named
-data read from the constant segment).
-
-Baked at export: weights, d2t, max_m, the T ranges and the metadata above. Not baked: K, sampling, stop
-tokens, the prompt. Out of scope here: CUDA/AOTInductor (needs the kernels' triton_ops with fake impls and
-ExecuTorch's CudaPartitioner).
+Baked: the weights, d2t, max_m, the T ranges and the constants. Chosen at run time: K, the policy, sampling, stop
+tokens, the prompt. No target range straddles the dispatch rule (kernels.rule.use_small_m, docs/design.md §5:
+`check_dispatch_windows`). The graphs attend through ExecuTorch's llama ops (models.layers), so the .pte needs them
+registered where it loads (runner.engine.PteEngine does it), and each weight is stored once (pipeline.pte_segments).
+`export_pte(...)` takes no Hydra config: the export stage and the tests call it.
 """
 
 from __future__ import annotations
@@ -112,20 +52,19 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim, export
 from tqdm.auto import tqdm
 
 from kernels.rule import SMALL_M_LIMIT, use_small_m
 from models import quiet
+from models.choices import EXPORT_BACKENDS, EXPORT_QUANTS
+from models.quantize import GroupOffsetLinear, quantize
 from models.speculator import chain_methods
 from pipeline.pte_segments import data_layout, share_constant_bytes
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("portable", "xnnpack")
-QUANTS = ("none", "int4", "int4_draft")
 TARGET_METHODS = ("prefill", "target_verify", "target_verify_exact", "target_decode")
 
 
@@ -167,13 +106,13 @@ def check_export_args(*, max_m: int, default_chain: int, min_prefill_chunk: int,
     """Every refusal that does not need the model, raised before any tracing or lowering."""
     if not isinstance(draft_chains, bool):
         raise ValueError(f"export.draft_chains={draft_chains!r}: expected true or false")
-    if backend not in BACKENDS:
-        raise ValueError(f"export.backend={backend!r}: supported backends are {BACKENDS}")
-    if quant not in QUANTS:
-        raise ValueError(f"export.quant={quant!r}: supported are {QUANTS}")
-    if quant != "none" and backend != "xnnpack":
-        raise ValueError(f"export.quant={quant} needs export=xnnpack (backend {backend!r} has no int4 linear kernels)")
-    if quant != "none" and (group_size <= 0 or group_size % 2):
+    if backend not in EXPORT_BACKENDS:
+        raise ValueError(f"export.backend={backend!r}: expected one of {', '.join(EXPORT_BACKENDS)}")
+    if quant not in EXPORT_QUANTS:
+        raise ValueError(f"export.quant={quant!r}: expected one of {', '.join(EXPORT_QUANTS)}")
+    if quant != "fp32" and backend != "xnnpack":
+        raise ValueError(f"export.quant={quant} needs export=xnnpack (backend {backend!r} has no 8da4w linear kernels)")
+    if quant != "fp32" and (group_size <= 0 or group_size % 2):
         raise ValueError(f"export.group_size={group_size}: int4 groups must be a positive even size (e.g. 32)")
     if not isinstance(max_m, int) or max_m < 2:
         raise ValueError(f"export.max_m={max_m}: the verify window is T in [2, max_m] (K = T-1 >= 1), "
@@ -259,103 +198,6 @@ def method_specs(*, max_m: int, min_prefill_chunk: int, max_prefill_chunk: int, 
         specs[name] = (lambda s, k=k: _DraftChain(s, k), (tokens, torch.zeros(1, T, hidden), pos),
                        ({1: d}, {1: d}, {0: d}), (1, max_m))
     return specs
-
-
-# --- quantization --------------------------------------------------------------------------------------
-def int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] as d * q + o per group of `group` inputs: q int8 in [-8, 7]; d and o float [N, K / group], d
-    exact in bf16 (XNNPACK keeps block scales in bf16); `exact` [N, K / group]: the group holds at most 16
-    equally spaced values, as a Q4_1 or Q4_K block of a GGUF target does, and d * q + o gives them back within
-    d's bf16 rounding (at most 2^-9 d (q_max - q_min) / 2). Elsewhere the group's range in 15 steps: asymmetric
-    rounding, at most half a step from each weight."""
-    N, K = w.shape
-    x = w.detach().reshape(N, K // group, group).double()
-    lo, hi = x.amin(-1), x.amax(-1)
-    gaps = x.sort(-1).values.diff(dim=-1)
-    gaps = torch.where(gaps > (hi - lo)[..., None] * 1e-4, gaps, torch.inf)
-    step = gaps.amin(-1)  # a grid's step: the smallest gap between distinct values
-    k = (x - lo[..., None]) / step[..., None]
-    exact = torch.isfinite(step) & ((k - k.round()).abs().amax(-1) < 1e-3) & (k.round().amax(-1) <= 15)
-    step = torch.where(exact, step, (hi - lo) / 15)
-    step = torch.where(step > 0, step, torch.ones_like(step))  # a constant group: q = -8, o its value + 8
-    q = ((x - lo[..., None]) / step[..., None]).round().clamp(0, 15)
-    d = step.to(torch.bfloat16).double()
-    middle = (q.amin(-1) + q.amax(-1)) / 2 - 8  # the bf16 scale's error, centred on the group's codes
-    o = lo + 8 * step + (step - d) * middle
-    return (q - 8).to(torch.int8).reshape(N, K), d.float(), o.float(), exact
-
-
-class GroupOffsetLinear(nn.Module):
-    """A linear whose weight is d * q + o per group of inputs (`int4_groups`), as XNNPACK runs it: the 8da4w GEMM
-    of the symmetric part d * q (int8 dynamic per-token activations, XNNPACK's only blockwise 4-bit layout) plus
-    the offsets' share, sum over groups of o times the group's sum of x, as two fp32 linears (the group sums, a
-    constant 0/1 matrix, then the offsets) that stay in the same delegate. A symmetric group spends half its
-    codes on values a skewed group never holds, and rounds a GGUF's 4-bit block a second time; the offsets
-    make every group asymmetric and a 16-level one exact. They add K / group fp32 weights per output row (a
-    quarter of the int4 bytes at group 32)."""
-
-    def __init__(self, linear: nn.Linear, group: int):
-        super().__init__()
-        from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
-            IntxUnpackedToInt8Tensor,
-        )
-
-        N, K = linear.weight.shape
-        q, d, o, exact = int4_groups(linear.weight, group)
-        self.exact_share = float(exact.float().mean())
-        weight = IntxUnpackedToInt8Tensor.from_hp(
-            q.float() * d.repeat_interleave(group, 1), (1, group), torch.int4, intx_choose_qparams_algorithm=None,
-            custom_scale=d, custom_zero_point=torch.zeros_like(d, dtype=torch.int8),
-            activation_quantization="int8_asym_per_token")
-        self.main = nn.Linear(K, N, bias=linear.bias is not None)
-        self.main.weight = nn.Parameter(weight, requires_grad=False)
-        if linear.bias is not None:
-            self.main.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self.register_buffer("group_sums", torch.block_diag(*[torch.ones(1, group)] * (K // group)))
-        self.offsets = nn.Linear(K // group, N, bias=False)
-        self.offsets.weight = nn.Parameter(o, requires_grad=False)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The int4 part's weight: the dense weight's shape, dtype and device, as a quantized nn.Linear's."""
-        return self.main.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.main(x) + self.offsets(F.linear(x, self.group_sums))
-
-
-def quantize_int4(module: nn.Module, group_size: int, offsets: bool = False) -> list[str]:
-    """int4 in place, every nn.Linear whose in_features is a multiple of group_size: 8da4w (int8 dynamic per-token
-    activations, int4 weights in symmetric groups of `group_size`), or with `offsets` a GroupOffsetLinear
-    (asymmetric groups, exact on a 4-bit GGUF's blocks). Embeddings stay fp32. -> the names of the linears left
-    in fp32."""
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerGroup
-
-    eligible = lambda m: isinstance(m, nn.Linear) and m.in_features % group_size == 0  # noqa: E731
-    skipped = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and not eligible(m)]
-    if not offsets:
-        quantize_(module, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
-                                                                weight_granularity=PerGroup(group_size)),
-                  filter_fn=lambda m, fqn: eligible(m))
-        return skipped
-    for name, m in list(module.named_modules()):
-        if eligible(m):
-            parent, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(parent) if parent else module, attr, GroupOffsetLinear(m, group_size))
-    return skipped
-
-
-def quantize(speculator: nn.Module, quant: str, group_size: int) -> list[str]:
-    """`export.quant` applied to a models.Speculator in place: `int4_draft` quantizes the draft's linears (symmetric
-    8da4w: its numerics move acceptance only, never the output, and the symmetric step is the cheaper one), `int4`
-    the target's too, with group offsets (GroupOffsetLinear), `none` nothing. -> the linears left in fp32."""
-    if quant == "none":
-        return []
-    skipped = [f"draft.{n}" for n in quantize_int4(speculator.draft, group_size)]
-    if quant == "int4":
-        skipped += [f"target.{n}" for n in quantize_int4(speculator.target, group_size, offsets=True)]
-    return skipped
 
 
 # --- lowering --------------------------------------------------------------------------------------
@@ -648,13 +490,13 @@ def lower_in_forks(lower, names: list[str], workers: int):
 
 
 def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_prefill_chunk: int,
-               min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "none", group_size: int = 32,
+               min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "fp32", group_size: int = 32,
                out_path: Path | str, manifest_hash: str, progress: bool = True, draft_chains: bool = True,
                attention: str = "llama_ops", fc_norms: bool = True, scratch: Path | None = None) -> dict:
     """Lower `speculator` (a models.Speculator) into one .pte at `out_path`; return a JSON-able report.
 
-    quant="int4" quantizes `speculator` IN PLACE, "int4_draft" its draft (the stage loads a fresh one; copy
-    first to keep fp32).
+    quant="8da4w_offsets" quantizes `speculator` IN PLACE, "8da4w_draft" its draft (the stage loads a fresh one;
+    copy first to keep fp32).
     `attention` is the cached path the methods are traced with (`pick_attention`), `fc_norms` makes every
     RMSNorm's mean a linear (RMSNorm.set_fc_mean); the speculator's caches are reallocated empty. Every argument is checked before tracing starts (ValueError with the offending value).
 
@@ -691,15 +533,15 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
                     "min_prefill_chunk": min_prefill_chunk, "max_prefill_chunk": max_prefill_chunk,
                     "max_seq_len": max_seq_len, "manifest_hash": manifest_hash}
     speculator.eval()
-    if quant != "none":
+    if quant != "fp32":
         report["group_size"] = group_size
         report["fp32_linears"] = quantize(speculator, quant, group_size)
-        if quant == "int4":
+        if quant == "8da4w_offsets":
             grouped = [m for m in target.modules() if isinstance(m, GroupOffsetLinear)]
-            report["int4_exact_group_share"] = round(sum(m.exact_share for m in grouped) / max(len(grouped), 1), 4)
-            log.info("int4: %.1f%% of the target's weight groups hold 16 equally spaced values (a 4-bit GGUF's "
-                     "blocks), kept exactly", 100 * report["int4_exact_group_share"])
-        log.info("int4 (8da4w, group %d) applied; linears left fp32: %s", group_size, report["fp32_linears"] or "none")
+            report["grid_group_share"] = round(sum(m.grid_share for m in grouped) / max(len(grouped), 1), 4)
+            log.info("8da4w_offsets: %.1f%% of the target's weight groups are 4-bit grids (a 4-bit GGUF's blocks), "
+                     "kept as they are", 100 * report["grid_group_share"])
+        log.info("%s (group %d) applied; linears left fp32: %s", quant, group_size, report["fp32_linears"] or "none")
 
     specs = method_specs(max_m=max_m, min_prefill_chunk=min_prefill_chunk, max_prefill_chunk=max_prefill_chunk,
                          hidden=draft.cfg.hidden_size, draft_chains=draft_chains)

@@ -13,7 +13,7 @@ fp32 GEMM takes 7 rows a pass on AVX-512 and 6 on AVX2, its 8da4w GEMM 8 and 3):
   default spin-then-sleep is the one that lets one thread run clean once the count drops; PASSIVE halves a
   quiet machine's speed, ACTIVE keeps the idle thread spinning; `bench/lab/omp_wait.py`).
 - `engine.exact: auto`: exact mode (runner.engine.ExactEngine) where a row's rounding can flip a token (the
-  CUDA engine, an int4 .pte target), and `engine.exact_width: auto` its call width, the GEMM's row tile.
+  CUDA engine, a .pte whose target is 8da4w), and `engine.exact_width: auto` its call width, the GEMM's row tile.
 - `export.default_chain: auto`: the default K at most DEFAULT_CHAIN (6) and, on XNNPACK, at most the rows its GEMM takes in
   one pass for the target's weights on this CPU minus one (`row_tile`), so the default window T = K+1 does
   not read the weights twice. It depends on export.* and this machine alone: no engine setting moves an export
@@ -55,6 +55,8 @@ MAX_PROBE_ROWS = 16
 TILE_JUMP = 1.3
 # bf16 against fp32 matmul on a CPU without native bf16 (AVX2 + FMA, 4096x256 @ 256x768, one thread)
 MEASURED_BF16_SLOWDOWN = "9x"
+# The weights a row tile is measured for: a target's linears in fp32, or 8da4w (export.quant=8da4w_offsets).
+WEIGHTS = ("fp32", "8da4w")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,7 +218,7 @@ def tile_from_curve(ratios: list[float]) -> int:
     return len(ratios)
 
 
-def measure_row_tile(quant: str, reps: int = 10) -> dict:
+def measure_row_tile(weights: str, reps: int = 10) -> dict:
     """Time XNNPACK's GEMM at M = 1..16 rows: 4 linears 1024 <-> 2048 (32 MB in fp32, more than the caches
     hold, as a model's weights are) in one program with a dynamic M, one thread; the best of reps x 3 calls
     per M. -> {"tile", "ratio_to_m1", "m1_ms", "seconds"}. Runs in a process of its own (`row_tile`): the
@@ -231,7 +233,7 @@ def measure_row_tile(quant: str, reps: int = 10) -> dict:
     from torch import nn
     from torch.export import Dim, export
 
-    from pipeline.export_pte import quantize_int4
+    from models.quantize import quantize_8da4w
 
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
@@ -240,8 +242,8 @@ def measure_row_tile(quant: str, reps: int = 10) -> dict:
         torch.manual_seed(0)
         chain = nn.Sequential(nn.Linear(1024, 2048, bias=False), nn.Linear(2048, 1024, bias=False),
                               nn.Linear(1024, 2048, bias=False), nn.Linear(2048, 1024, bias=False)).eval()
-        if quant == "int4":
-            quantize_int4(chain, 32)
+        if weights == "8da4w":
+            quantize_8da4w(chain, 32)
         ep = export(chain, (torch.randn(1, 4, 1024),), dynamic_shapes=({1: Dim("M", min=1, max=MAX_PROBE_ROWS)},),
                     strict=False)
         buf = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
@@ -270,22 +272,22 @@ def cache_file() -> Path:
     return root / "eagle3-pipeline" / "machine.json"
 
 
-def row_tile(quant: str, *, probe: bool = False) -> dict:
-    """This machine's row tile for `quant` (`none`: fp32 weights, `int4`: 8da4w): from the cache, or measured
-    once and cached (atomically, under a file lock, so concurrent jobs measure once)."""
+def row_tile(weights: str, *, probe: bool = False) -> dict:
+    """This machine's row tile for `weights` (WEIGHTS: `fp32`, or `8da4w`): from the cache, or measured once and
+    cached (atomically, under a file lock, so concurrent jobs measure once)."""
     from filelock import FileLock
 
     path = cache_file()
     fp = cpu_fingerprint()
-    entry = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16] + f"/{quant}"
+    entry = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16] + f"/{weights}"
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock", timeout=600):
         cached = json.loads(path.read_text()) if path.is_file() else {}
         if entry in cached and not probe:
             return cached[entry]
         log.info("measuring XNNPACK's GEMM row tile for %s weights on this CPU (%s, %s), once per machine",
-                 "fp32" if quant == "none" else "8da4w", fp["cpu"], fp["capability"])
-        result = {**_measure_in_subprocess(quant), **fp, "quant": quant,
+                 weights, fp["cpu"], fp["capability"])
+        result = {**_measure_in_subprocess(weights), **fp, "weights": weights,
                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         log.info("row tile %d rows (time(M)/time(1), M = 1..%d: %s; %.1f s)", result["tile"], MAX_PROBE_ROWS,
                  result["ratio_to_m1"], result["seconds"])
@@ -296,11 +298,11 @@ def row_tile(quant: str, *, probe: bool = False) -> dict:
         return result
 
 
-def _measure_in_subprocess(quant: str) -> dict:
+def _measure_in_subprocess(weights: str) -> dict:
     import subprocess
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "pipeline.hardware", "--measure", quant], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "pipeline.hardware", "--measure", weights], capture_output=True,
                           text=True, env=env)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -316,9 +318,10 @@ def has_executorch() -> bool:
     return importlib.util.find_spec("executorch") is not None
 
 
-def target_quant(export_quant: str) -> str:
-    """The weights of the target's linears, which a verify window's GEMMs read: int4_draft keeps them fp32."""
-    return "int4" if export_quant == "int4" else "none"
+def target_weights(export_quant: str) -> str:
+    """The weights of the target's linears (WEIGHTS), which a verify window's GEMMs read: only 8da4w_offsets
+    quantises them."""
+    return "8da4w" if export_quant == "8da4w_offsets" else "fp32"
 
 
 def target_row_tile(export_quant: str) -> dict | None:
@@ -327,7 +330,7 @@ def target_row_tile(export_quant: str) -> dict | None:
     if not has_executorch():
         log.info("ExecuTorch is not installed here: no .pte is built or run, XNNPACK's row tile is not measured")
         return None
-    return row_tile(target_quant(export_quant))
+    return row_tile(target_weights(export_quant))
 
 
 def resolve_default_chain(value, *, max_m: int, backend: str | None, quant: str | None) -> int:
@@ -344,18 +347,18 @@ def resolve_default_chain(value, *, max_m: int, backend: str | None, quant: str 
     if tile is not None:
         chain = max(1, min(chain, tile["tile"] - 1))
         log.info("export.default_chain=auto: K=%d (XNNPACK's %s GEMM takes %d rows a pass on this CPU, %s)", chain,
-                 "fp32" if target_quant(quant) == "none" else "8da4w", tile["tile"], tile["capability"])
+                 target_weights(quant), tile["tile"], tile["capability"])
     return chain
 
 
 def resolve_exact(value, *, engine: str, quant: str) -> bool:
     """engine.exact: a bool is kept; `auto` is on where a row's rounding can flip a greedy token between
     K = 0 and K > 0: the CUDA engine (bf16 or INT4 GEMMs take other paths at other widths) and a .pte whose
-    target is int4 (8da4w rounds every linear's input to int8 per row). An fp32 target stays at T = 1 decode,
+    target is 8da4w (it rounds every linear's input to int8 per row). An fp32 target stays at T = 1 decode,
     where every eval checks losslessness anyway."""
     if value != AUTO:
         return bool(value)
-    return engine == "cuda" or target_quant(quant) == "int4"
+    return engine == "cuda" or target_weights(quant) == "8da4w"
 
 
 def resolve_exact_width(value, *, max_m: int, backend: str, quant: str, engine: str) -> int:
@@ -369,7 +372,7 @@ def resolve_exact_width(value, *, max_m: int, backend: str, quant: str, engine: 
         return max_m
     width = max(2, min(max_m, tile["tile"]))
     log.info("engine.exact_width=auto: %d rows (XNNPACK's %s GEMM takes %d rows a pass on this CPU, %s)", width,
-             "fp32" if target_quant(quant) == "none" else "8da4w", tile["tile"], tile["capability"])
+             target_weights(quant), tile["tile"], tile["capability"])
     return width
 
 
@@ -401,7 +404,7 @@ def resolve(cfg) -> dict:
         ec = cfg.get("export")
         if ec is not None and ec.get("default_chain") == AUTO:  # export.* and this machine alone
             ec.default_chain = resolved["export.default_chain"] = resolve_default_chain(
-                AUTO, max_m=int(ec.max_m), backend=str(ec.backend), quant=str(ec.get("quant", "none")))
+                AUTO, max_m=int(ec.max_m), backend=str(ec.backend), quant=str(ec.quant))
         eng = cfg.get("engine")
         if eng is not None:
             kind = str(eng.kind)
@@ -409,7 +412,7 @@ def resolve(cfg) -> dict:
                 eng.default_chain = resolved["engine.default_chain"] = resolve_default_chain(
                     AUTO, max_m=int(eng.max_m), backend=None, quant=None)
             # the .pte and eager engines run the exported program: its target's weights and windows decide
-            quant = str(ec.get("quant", "none")) if ec is not None else "none"
+            quant = str(ec.quant) if ec is not None else "fp32"
             if eng.get("exact") == AUTO:
                 eng.exact = resolved["engine.exact"] = resolve_exact(AUTO, engine=kind, quant=quant)
             if eng.get("exact") and eng.get("exact_width") == AUTO and ec is not None:
@@ -421,7 +424,7 @@ def resolve(cfg) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="What this machine resolves the pipeline's `auto` defaults to.")
     ap.add_argument("--probe", action="store_true", help="measure the row tiles again (and update the cache)")
-    ap.add_argument("--measure", choices=("none", "int4"), help=argparse.SUPPRESS)  # row_tile's subprocess
+    ap.add_argument("--measure", choices=WEIGHTS, help=argparse.SUPPRESS)  # row_tile's subprocess
     args = ap.parse_args(argv)
     if args.measure:
         print(json.dumps(measure_row_tile(args.measure)))
@@ -432,10 +435,10 @@ def main(argv=None) -> int:
     for device in ("cpu", "cuda"):
         native, why = native_bf16(device)
         print(f"autocast=auto on {device}: {'bfloat16' if native else 'fp32'} ({why})")
-    for quant in ("none", "int4"):
-        t = row_tile(quant, probe=args.probe)
+    for weights in WEIGHTS:
+        t = row_tile(weights, probe=args.probe)
         curve = ", ".join(f"{r:.2f}" for r in t["ratio_to_m1"])
-        print(f"XNNPACK row tile, {'fp32' if quant == 'none' else '8da4w'} weights: {t['tile']} rows "
+        print(f"XNNPACK row tile, {weights} weights: {t['tile']} rows "
               f"(time(M)/time(1), M = 1..{len(t['ratio_to_m1'])}: {curve}; measured {t['measured_at']})")
     print(f"cache: {cache_file()}")
     return 0

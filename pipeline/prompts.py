@@ -28,9 +28,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from models.choices import PROMPT_FORMATS
 from models.text import render_chat
 
-PROMPT_FORMATS = ("plain", "chat")
 _SLOT = "\x00REQUEST\x00"
 
 
@@ -43,7 +43,7 @@ def cut(texts: Sequence[str], tokenizer, n: int, length: int, seed: int, prompt_
         return plain_prompts(texts, tokenizer, n, length, seed)
     if prompt_format == "chat":
         return chat_prompts(texts, tokenizer, chat_template, n, length, seed)
-    raise ValueError(f"data.prompt_format={prompt_format!r}: expected one of {PROMPT_FORMATS}")
+    raise ValueError(f"data.prompt_format={prompt_format!r}: expected one of {', '.join(PROMPT_FORMATS)}")
 
 
 def plain_prompts(texts: Sequence[str], tokenizer, n: int, length: int, seed: int) -> torch.Tensor:

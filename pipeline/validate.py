@@ -15,7 +15,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from models.choices import CUDA_COMPILES, CUDA_QUANTS, ENGINES, POLICIES
+from models.choices import (CUDA_COMPILES, CUDA_QUANTS, ENGINES, EXPORT_BACKENDS, EXPORT_QUANTS, POLICIES,
+                            PROMPT_FORMATS, RENAMED)
 from models.text import read_prompt_file
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,9 @@ class _Checker:
 
     def choice(self, key: str, allowed: tuple) -> None:
         v = self.get(key)
-        if v not in allowed:
+        if v in RENAMED.get(key, {}):  # an old name is refused, never read as whatever it means now
+            self.fail(key, v, f"renamed {RENAMED[key][v]} (one of {', '.join(map(str, allowed))})")
+        elif v not in allowed:
             self.fail(key, v, f"one of {', '.join(map(str, allowed))}")
 
     def existing(self, key: str, *, directory: bool) -> bool:
@@ -257,9 +260,9 @@ def _check_engine(c: _Checker, export_max_m: int | None) -> int | None:
 
     c.choice("engine.quant", tuple(CUDA_QUANTS))
     c.choice("engine.compile", CUDA_COMPILES)
-    if c.get("engine.compile") == "inductor" and c.get("engine.quant") != "none":
+    if c.get("engine.compile") == "inductor" and c.get("engine.quant") != "bf16":
         c.fail("engine.compile", "inductor", f"none with engine.quant={c.get('engine.quant')} (inductor compiles "
-               "the dense bf16 engine; the INT4 kernels are fused already)")
+               "the bf16 engine; the INT4 kernels are fused already)")
     if not isinstance(c.get("engine.device"), str) or c.get("engine.device").split(":")[0] != "cuda":
         c.fail("engine.device", c.get("engine.device"), "a CUDA device: cuda or cuda:N")
     import torch
@@ -301,7 +304,7 @@ def check_config(cfg: DictConfig) -> None:
     c.number_in("data.held_out_fraction", 0.0, 1.0)
     c.int_in("data.max_bytes", 1, nullable=True)
     if c.get("data.prompt_format") is not None:
-        c.choice("data.prompt_format", ("plain", "chat"))
+        c.choice("data.prompt_format", PROMPT_FORMATS)
 
     for group in ("target", "draft"):
         if c.get(f"{group}.train") is not None and c.get(f"{group}.train.autocast") is not None:
@@ -327,6 +330,8 @@ def check_config(cfg: DictConfig) -> None:
             c.fail("draft.train.batch_size", bs, f"at least the {world} ranks of this torchrun job (it is the "
                    "global batch, split among them)")
 
+    c.choice("export.backend", EXPORT_BACKENDS)
+    c.choice("export.quant", EXPORT_QUANTS)
     max_m = c.get("export.max_m") if c.int_in("export.max_m", 2) else None
     c.choice("export.draft_chains", (True, False))
     # default_chain `auto` (pipeline.hardware) is at most DEFAULT_CHAIN; it is checked as itself once resolved
@@ -334,7 +339,8 @@ def check_config(cfg: DictConfig) -> None:
     ints = [chain_ok, c.int_in("export.max_prefill_chunk", 1),
             c.int_in("export.min_prefill_chunk", 1, nullable=True), c.int_in("export.group_size", 2)]
     max_seq_len = c.get("export.max_seq_len") if c.int_in("export.max_seq_len", 2) else None
-    if max_m is not None and all(ints) and max_seq_len is not None:
+    named = c.get("export.backend") in EXPORT_BACKENDS and c.get("export.quant") in EXPORT_QUANTS  # refused above
+    if max_m is not None and all(ints) and named and max_seq_len is not None:
         from pipeline.export_pte import DEFAULT_CHAIN, check_export_args
 
         min_prefill = c.get("export.min_prefill_chunk")

@@ -2,7 +2,7 @@
 
     python -m runner --pte model.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4
     python -m runner --pte model.pte --tokenizer tokenizer.json --prompt-file prompts.txt --chain 0
-    python -m runner --pte int4.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4 --exact-width 8
+    python -m runner --pte model.pte --tokenizer tokenizer.json --prompt "def main(" --chain 4 --exact-width 8
     python -m runner --engine cuda --target TARGET_DIR --draft DRAFT_DIR --tokenizer TARGET_DIR/tokenizer.json \
         --max-m 8 --max-prefill-chunk 128 --prompt "def main(" --chain 4
 
@@ -13,7 +13,7 @@ A .pte with the export artifact's manifest.json beside it is checked against the
 and refused (exit 2) when it differs; one without a manifest runs with a warning that it is unchecked. Every
 refusal (a missing or truncated file, a value out of range) is one line and exit 2 (runner.cli).
 Prints each generation, then tau, decode tokens/s and the per-round timings. `--chain` defaults to the
-.pte's own get_chain_len; 0 is plain greedy decoding through the same file. (The pipeline's eval stage
+.pte's own get_chain_len; 0 is the baseline, greedy decoding through the same file. (The pipeline's eval stage
 does the same from Hydra config, with the lossless check and MLflow.)
 """
 

@@ -15,10 +15,13 @@ file's keys and whose positional arguments are the artifacts it reads:
   its own windows (max_m, default_chain, the prefill chunk range), its weights as `quant` names
   (models.choices.CUDA_QUANTS). It reads no .pte, so no export setting reaches it.
 
-Exact mode (`exact`): every target call at one width, so every K gives K=0's tokens bit for bit: `exact_width`
-rows through runner.engine.ExactEngine on the .pte and eager engines, max_m rows inside the cuda engine (whose
-captured graphs are the max_m-row calls). An `auto` value depends on the machine (pipeline.hardware resolves it
-before any stage runs); the factory takes resolved values only and refuses `auto`, naming the key.
+Exact mode (`exact`): every target call at one width through a call whose rows do not depend on it, so every K
+gives K=0's tokens bit for bit: `exact_width` rows through runner.engine.ExactEngine on the .pte and eager engines,
+max_m rows inside the cuda engine (whose captured graphs are the max_m-row calls). Its one default is the config's
+`exact: auto` (conf/engine/<kind>.yaml), which depends on the engine and the machine (pipeline.hardware resolves
+it before any stage runs); the builders have none: the factory takes every option, resolved, and refuses an
+option left out or `auto`, naming the key. The command lines turn exact mode on only when asked
+(`--exact-width W`, `--exact`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def _exact(engine, exact: bool, exact_width: int | None):
     return ExactEngine(engine, int(exact_width))
 
 
-def pte_engine(pte, tokenizer, *, exact: bool = False, exact_width: int | None = None, verified: bool = False):
+def pte_engine(pte, tokenizer, *, exact: bool, exact_width: int | None, verified: bool = False):
     """The .pte (runner.engine.PteEngine) with `tokenizer` checked against it; `verified`: the caller (the
     store) has re-hashed the file against its manifest already."""
     from runner.cli import load_pte
@@ -50,8 +53,8 @@ def pte_engine(pte, tokenizer, *, exact: bool = False, exact_width: int | None =
     return _exact(load_pte(Path(pte), Path(tokenizer), verified=verified), exact, exact_width)
 
 
-def eager_engine(pte, tokenizer, target, draft, *, device: str = "cpu", exact: bool = False,
-                 exact_width: int | None = None, verified: bool = False):
+def eager_engine(pte, tokenizer, target, draft, *, device: str, exact: bool, exact_width: int | None,
+                 verified: bool = False):
     """models.Speculator over the target and draft artifacts on `device` (runner.engine.EagerEngine), in the
     windows of `pte`, the program exported from the same artifacts."""
     from models import Speculator, load_speculators, load_target
@@ -66,9 +69,8 @@ def eager_engine(pte, tokenizer, target, draft, *, device: str = "cpu", exact: b
     return _exact(engine, exact, exact_width)
 
 
-def cuda_engine(target, draft, *, max_m: int, default_chain: int, max_prefill_chunk: int, max_seq_len: int = 2048,
-                min_prefill_chunk: int | None = None, device: str = "cuda", quant: str = "none",
-                compile: str = "none", exact: bool = True):
+def cuda_engine(target, draft, *, max_m: int, default_chain: int, max_prefill_chunk: int, max_seq_len: int,
+                min_prefill_chunk: int | None, device: str, quant: str, compile: str, exact: bool):
     """runner.cuda_engine.CudaEngine over the target and draft artifacts, its graphs captured for the windows
     given (`min_prefill_chunk` None: max_m + 1) over caches of `max_seq_len` positions, its weights as `quant`
     names (models.choices.CUDA_QUANTS); an unknown scheme is refused before any weights are read."""
@@ -91,7 +93,7 @@ BUILDERS = {"pte": pte_engine, "eager": eager_engine, "cuda": cuda_engine}  # ki
 
 
 def options_of(kind: str) -> tuple[str, ...]:
-    """The options an engine takes (its config file's keys besides `kind`)."""
+    """The options an engine takes (its config file's keys besides `kind`), every one of them required."""
     params = inspect.signature(BUILDERS[kind]).parameters.values()
     return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name != "verified")
 
@@ -99,7 +101,8 @@ def options_of(kind: str) -> tuple[str, ...]:
 def build_engine(options: Mapping, *, pte=None, tokenizer=None, target=None, draft=None, verified: bool = False):
     """The engine `options["kind"]` names, built by its builder (module doc) from the other options and the
     artifacts it reads (paths; the ones it does not read are ignored). Refused with a ValueError naming the
-    key: an unknown kind, an option the engine does not take, an unresolved `auto`, an artifact it needs."""
+    key: an unknown kind, an option the engine does not take, an unresolved `auto`, an artifact it needs, an
+    option left out."""
     options = dict(options)
     kind = options.pop("kind", None)
     if kind not in ENGINES:
@@ -115,6 +118,9 @@ def build_engine(options: Mapping, *, pte=None, tokenizer=None, target=None, dra
     reads = [p.name for p in inspect.signature(build).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
     if missing := [name for name in reads if given[name] is None]:
         raise ValueError(f"engine={kind} reads {', '.join(reads)}; missing: {', '.join(missing)}")
+    if left_out := [k for k in allowed if k not in options]:
+        raise ValueError(f"engine={kind} needs {', '.join(f'engine.{k}' for k in left_out)} (its options are the "
+                         f"keys of conf/engine/{kind}.yaml, which holds their defaults)")
     if "verified" in inspect.signature(build).parameters:
         options["verified"] = verified
     return build(*(given[name] for name in reads), **options)
@@ -134,7 +140,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pte", type=Path, help="the .pte (--engine pte, eager)")
     p.add_argument("--exact-width", type=cli.integer(2), default=None, metavar="W",
                    help="--engine pte, eager: exact mode (engine.exact_width), every target call W rows, a row's bits "
-                        "independent of its call, so every K gives K=0's tokens bit for bit (an int4 .pte); "
+                        "independent of its call, so every K gives K=0's tokens bit for bit (an 8da4w target); "
                         "W in [2, max_m], K <= W-1")
     p.add_argument("--device", default=None, help="--engine eager (default cpu), cuda (default cuda): the torch device")
     art = p.add_argument_group("--engine eager, cuda: the target and draft artifacts")
@@ -146,11 +152,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     cuda.add_argument("--min-prefill-chunk", type=cli.integer(1), help="default: max_m + 1")
     cuda.add_argument("--max-seq-len", type=cli.integer(2), default=2048,
                       help="its KV caches: prompt + answer tokens (engine.max_seq_len)")
-    cuda.add_argument("--quant", choices=tuple(CUDA_QUANTS), default="none",
-                      help="the weights: bf16, or the INT4 GPU kernels (engine.quant; models.choices.CUDA_QUANTS)")
+    cuda.add_argument("--quant", choices=tuple(CUDA_QUANTS), default="bf16",
+                      help="the weights: bf16, or 4-bit on the INT4 GPU kernels (engine.quant, "
+                           "models.choices.CUDA_QUANTS)")
     cuda.add_argument("--compile", choices=CUDA_COMPILES, default="none",
                       help="torch.compile the dense engine's calls before capture (engine.compile)")
-    cuda.add_argument("--no-exact", dest="exact", action="store_false", help="decode at T=1 (engine.exact=false)")
+    cuda.add_argument("--exact", action="store_true",
+                      help="exact mode (engine.exact): every target call max_m rows, a row's bits independent of its "
+                           "call, so every K gives K=0's tokens bit for bit; without it: T=1 decode, T=K+1 verify")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -9,7 +9,7 @@ rule and the exported range cannot disagree. The draft's K-1 steps per round rea
 it gains from INT4 as the target does.
 
 INT4: the weights are quantised as loaded (float32 from the loaders: a GGUF's dequantised values) and only
-then cast, because kernels.int4_gemm.quantize_int4 keeps a GGUF's 4-bit blocks exactly only where it sees
+then cast, because models.quantize.quantize_w4 keeps a GGUF's 4-bit blocks exactly only where it sees
 them unrounded; bf16 rounding hides the grid and every block is quantised again. `dense` names linears kept
 in bf16: at group 32 with a bf16 lm_head the INT4 target stays closest to the file (docs/results.md). The
 config's schemes (`engine.quant`) are these options under their names (models.choices.CUDA_QUANTS), and
@@ -60,7 +60,7 @@ from __future__ import annotations
 import torch
 
 from models import Speculator
-from runner.engine import Engine, fixed_width, speculator_meta
+from runner.engine import Engine, exact_calls, speculator_meta
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -170,7 +170,7 @@ class CudaEngine(Engine):
     def __init__(self, speculator: Speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                  min_prefill_chunk: int = 1, device: str | torch.device = "cuda", dtype: str = "bfloat16",
                  kernels: bool = False, group: int = 128, dense: tuple[str, ...] = (), graphs: bool = True,
-                 exact: bool = False, compile: str = "none", manifest_hash: str = ""):
+                 exact: bool, compile: str = "none", manifest_hash: str = ""):
         from kernels.rule import check_max_m
 
         if dtype not in DTYPES:
@@ -198,7 +198,7 @@ class CudaEngine(Engine):
                                     max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,
                                     manifest_hash=manifest_hash)
         target_decode, target_verify, draft_decode = compiled(spec, compile, max_m)
-        decode, verify = fixed_width(target_verify, max_m) if exact else (target_decode, target_verify)
+        decode, verify = exact_calls(target_verify, max_m) if exact else (target_decode, target_verify)
         if exact:  # the width every target call runs at, as runner.engine.ExactEngine reports it (the eval's metric)
             self.meta["max_seq_len"] -= max_m - 1  # the padding rows' slots
             self.meta["exact_width"] = max_m

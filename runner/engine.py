@@ -1,18 +1,10 @@
 """The engine interface the speculative loop is written against, and two of its implementations (the third,
 CUDA graphs on the GPU kernels, is runner/cuda_engine.py).
 
-An engine exposes the methods of the exported program (docs/design.md §2) under the same names:
-
-    prefill(tokens[1,T], input_pos[T])              -> (next_id [1,1], feature [1,T,H], logits [1,V])
-    target_verify(tokens[1,T], input_pos[T])        -> (ids [1,T], feature [1,T,H], logits [1,T,V])
-    target_decode(tokens[1,1], input_pos[1])        -> (ids [1,1], logits [1,1,V])
-    draft_decode(tokens[1,T], feature[1,T,H], input_pos[T]) -> (ids [1,T] target vocab, g [1,T,H], logits [1,T,Vd])
-    draft_chain(k, tokens[1,T], feature[1,T,H], input_pos[T]) -> ids [1,k] target vocab (the program's draft_chain_<k>)
-
-prefill and target_verify share the target KV cache; target_decode uses it too; draft_decode and draft_chain own
-the draft cache.
-Every method writes its K/V at `input_pos` and attends to `key_pos <= query_pos`, so a caller never rolls
-back: a later call at the same positions overwrites stale slots, and slots beyond the query are masked.
+An engine exposes the methods of the exported program under the same names, with the same inputs, outputs and
+caches (described once, in pipeline/export_pte.py's docstring): prefill, target_decode, target_verify,
+target_verify_exact (the .pte and eager engines), draft_decode, and draft_chain(k, ...) for the program's
+draft_chain_<k>. A caller never rolls back: a later call at the same positions overwrites stale slots.
 
 `meta` holds what the loop needs to pick and check its windows: max_m (largest verify window), default_chain
 (default K), max_seq_len, vocab_size, draft_vocab_size, max_prefill_chunk, min_prefill_chunk (the exported
@@ -311,12 +303,13 @@ class PteEngine(Engine):
         hides slots beyond the query. (A fresh cache would need a second load_program.)"""
 
 
-def fixed_width(target_verify, width: int):
-    """(target_decode, target_verify) that run every call through `target_verify` at `width` rows: the call's
-    rows, then copies of its last token at the next positions, whose outputs are dropped. In a call of one
-    width a row's arithmetic is the same whichever row it is and whatever the call's other rows hold, so every
-    K gives K=0's tokens bit for bit (`ExactEngine`). The padding rows write cache slots past the call's last
-    position, which a later call rewrites before any query can see them."""
+def exact_calls(target_verify, width: int):
+    """Exact mode's target calls: (target_decode, target_verify) that run every call through `target_verify` (one
+    whose rows do not depend on the call's start: the .pte's target_verify_exact, the CUDA engine's
+    target_verify) at `width` rows: the call's rows, then copies of its last token at the next positions, whose
+    outputs are dropped. In a call of one width a row's arithmetic is the same whichever row it is and whatever
+    the call's other rows hold, so every K gives K=0's tokens bit for bit (`ExactEngine`). The padding rows write
+    cache slots past the call's last position, which a later call rewrites before any query can see them."""
 
     def verify(tokens: torch.Tensor, input_pos: torch.Tensor):
         T, n = tokens.shape[-1], width - tokens.shape[-1]
@@ -339,7 +332,7 @@ class ExactEngine(Engine):
     A row's logits otherwise depend on the call it is in, in two ways, and an int4 target (8da4w rounds every
     linear's input to int8 per row) turns a 1e-7 difference into a whole step, so near ties flip:
     - the width: XNNPACK's GEMM takes other paths for other numbers of rows. After the prefill (the same
-      call for every K) every target call, decode included, is one of `width` rows (`fixed_width`);
+      call for every K) every target call, decode included, is one of `width` rows (`exact_calls`);
     - the key length: llama::custom_sdpa reduces over start + T keys, and the order of its sums follows
       that length. Every call is a `target_verify_exact`, whose attention (eagle3::exact_sdpa) runs each row
       over its own keys in one order.
@@ -354,7 +347,7 @@ class ExactEngine(Engine):
         self.inner, self.width = engine, width
         self.meta = {**engine.meta, "max_m": width, "max_seq_len": engine.meta["max_seq_len"] - (width - 1),
                      "default_chain": min(engine.meta["default_chain"], width - 1), "exact_width": width}
-        self.target_decode, self.target_verify = fixed_width(engine.target_verify_exact, width)
+        self.target_decode, self.target_verify = exact_calls(engine.target_verify_exact, width)
         self.draft_chains = engine.draft_chains
 
     def prefill(self, tokens, input_pos):

@@ -18,7 +18,7 @@ slots are never rolled back: the next verify window starts at P+a+1 and overwrit
 mask hides them until then. Reseeding replaces the draft's speculative (g-fed) cache entries with
 target-derived ones.
 
-K = 0 is plain greedy (or sampled) decoding through target_decode, the baseline every speedup is measured
+K = 0 is greedy (or sampled) decoding through target_decode, the baseline every speedup is measured
 against. At temperature > 0 proposals are sampled from the draft and verified by rejection sampling, so the
 output is distributed exactly as the target's own samples.
 
@@ -513,7 +513,7 @@ def generate(
             if room < 0:
                 out.stop_reason = "cache_full"
                 break
-            # no drafting past the budget or the cache: K = 0 is a plain target step
+            # no drafting past the budget or the cache: K = 0 is a target_decode step
             k = 0 if k_max == 0 else min(chooser.choose(), room, out.remaining - 1)
             draft_ms = 0.0
             if on_device:  # draft steps, verify and reseed in one call: all of it counts as verify

@@ -1,11 +1,13 @@
-"""A request to the server (runner.serve) as plain data, read from its body and turned into token ids by plain
-functions, none of which touches HTTP or the engine.
+"""A request to the server (runner.serve) as data, read from its headers and body and turned into token ids by
+functions none of which touches HTTP or the engine: the server's endpoints only move bytes and call these.
 
-`parse_body` reads the bytes: UTF-8 JSON, an object, nested at most MAX_JSON_DEPTH deep, every string valid
+`check_api_key` reads the Authorization header and `check_body_length` the declared length. `parse_body` reads the
+bytes: UTF-8 JSON, an object, nested at most MAX_JSON_DEPTH deep, every string valid
 Unicode (no lone surrogate, which JSON's \\u escapes can spell and no tokenizer can encode). `parse_request`
 reads the fields into a `GenerationRequest`, each checked against the engine and the server (`Limits`), and
-names the field it refuses. `prompt_ids` turns the request's text into ids; it runs off the event loop, since
-a long text takes a tokenizer milliseconds to seconds. Every refusal is a `RequestError` whose message quotes
+names the field it refuses. `prompt_and_budget` gives a request's ids and token budget: ids given are checked as
+they are, a text or messages are tokenized by `prompt_ids`, off the event loop (`tokenizes`), since a long text
+takes a tokenizer milliseconds to seconds. Every refusal is a `RequestError` whose message quotes
 at most QUOTE_CHARS characters of the value (`quote`), whatever its size.
 
 A prompt's length is checked twice. Before tokenizing: a text of B bytes is at least B / max_token_bytes
@@ -22,6 +24,7 @@ the name llama.cpp's server gives the same choice). A tokenizer that has no text
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import re
@@ -73,6 +76,25 @@ def quote(value) -> str:
 
 # ----------------------------------------------------------------------------------------------------------
 # The body
+
+
+def check_api_key(authorization: str, api_key: str | None) -> None:
+    """A /v1 request's Authorization header against the server's API key (None: every request is let in): a 401
+    unless it is `Bearer <key>`, compared in constant time."""
+    if api_key is None:
+        return
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise RequestError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                           kind="authentication_error")
+
+
+def check_body_length(content_length: str, limit: int) -> None:
+    """A 413 for a body whose declared length (the Content-Length header, or "") is past `limit` bytes, before
+    any of it is read; the server counts the bytes that do come as well."""
+    if content_length.isdigit() and int(content_length) > limit:
+        raise RequestError(413, f"the request body has {content_length} bytes; the limit is {limit}",
+                           headers={"Connection": "close"})
 
 
 def parse_body(raw: bytes) -> dict:
@@ -504,6 +526,28 @@ def prompt_ids(enc: Encoder, req: GenerationRequest, limits: Limits) -> tuple[li
     budget = check_fits(len(ids), req, limits)
     check_ids(ids, limits, "messages" if req.chat else "prompt")
     return ids, budget
+
+
+def tokenizes(req: GenerationRequest) -> bool:
+    """Whether the request's prompt is text or messages, which `prompt_and_budget` tokenizes (off the event loop),
+    rather than ids, which it only checks."""
+    return not isinstance(req.prompt, list)
+
+
+def check_prompt_bytes(enc: Encoder, req: GenerationRequest, limits: Limits) -> None:
+    """Before a request takes a slot or a thread: a text prompt that cannot fit the cache by its bytes alone
+    (`check_text_fits`) is a 400."""
+    if isinstance(req.prompt, str):
+        check_text_fits(utf8_len(req.prompt), enc.bytes_per_token, req, limits, "prompt")
+
+
+def prompt_and_budget(enc: Encoder, req: GenerationRequest, limits: Limits) -> tuple[list[int], int]:
+    """(the prompt's ids, its token budget) of any request, refused (400) when it cannot fit the cache or holds an
+    id outside the vocabulary: ids given are checked as they are, a text or messages tokenized (`prompt_ids`)."""
+    if not tokenizes(req):
+        budget = check_fits(len(req.prompt), req, limits)
+        return check_ids(req.prompt, limits, "prompt"), budget
+    return prompt_ids(enc, req, limits)
 
 
 def check_ids(ids: list[int], limits: Limits, field: str) -> list[int]:

@@ -14,7 +14,7 @@ then the text of the rounds since its last chunk at most every `stream_interval_
 the event loop, whose work competes with the rounds for the GIL (on the embedded default's 1 ms rounds, streams
 decoded 5-9% slower than whole answers at 20 ms, 0-4% at 50 ms). Request fields (runner.requests): max_tokens
 (default: the room left in the cache), stop (up to 4 strings; the text ends before the first one), temperature
-(default the server's, 0 = greedy: unlike OpenAI's 1, so that a plain request is lossless), seed; and three
+(default the server's, 0 = greedy: unlike OpenAI's 1, so that a request that sets none is lossless), seed; and three
 extensions: `chain` (K in [0, max_m-1]; default the artifact's get_chain_len or the server's --chain), `policy`
 (static | adaptive; default the server's) and, for a completion, `parse_special` (true: the special-token
 strings of its prompt are control tokens; by default they are text, as in a chat's messages). `usage` carries,
@@ -64,7 +64,6 @@ import collections
 import contextlib
 import functools
 import gc
-import hmac
 import json
 import logging
 import math
@@ -94,9 +93,9 @@ from models.choices import POLICIES
 from runner import cli
 from runner.build import add_engine_arguments, build_engine, engine_options
 from runner.generate import GenerationResult, generate
-from runner.requests import (MAX_SEED, MAX_TEMPERATURE, GenerationRequest, Limits, RequestError, check_chat_template,
-                             check_fits, check_ids, check_text_fits, encoder, parse_body, parse_request, prompt_ids,
-                             quote, utf8_len)
+from runner.requests import (MAX_SEED, MAX_TEMPERATURE, GenerationRequest, Limits, RequestError, check_api_key,
+                             check_body_length, check_chat_template, check_prompt_bytes, encoder, parse_body,
+                             parse_request, prompt_and_budget, quote, tokenizes)
 
 log = logging.getLogger(__name__)
 
@@ -489,112 +488,141 @@ def usage(job: Job, res: GenerationResult | None, text: TextStream) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The HTTP application
+# The answers: a request's events (Job.events) as OpenAI's response bodies and chunks
 
 
-def create_app(engine, tokenizer, settings: Settings, *, chat_template: str | None = None):
-    """The FastAPI application over a loaded engine (any runner.engine.Engine) and its tokenizer. The settings
-    and the chat template are checked here (a ValueError naming what is wrong), before anything is served."""
-    meta = engine.meta
-    max_k = meta["max_m"] - 1
-    default_chain = meta["default_chain"] if settings.chain is None else settings.chain
-    if not 0 <= default_chain <= max_k:
-        raise ValueError(f"chain K={default_chain} is outside [0, {max_k}] of this engine (max_m={meta['max_m']})")
-    check_settings(settings)
-    enc = encoder(tokenizer, chat_template)
-    check_chat_template(enc)
-    limits = Limits(model=settings.model, max_seq_len=meta["max_seq_len"], vocab_size=meta["vocab_size"],
-                    max_chain=max_k, chain=default_chain, policy=settings.policy, temperature=settings.temperature,
-                    seed=settings.seed)
-    metrics = Metrics(settings.model)
-    decoder = Decoder(engine, tokenizer, settings, metrics)
-    off_loop = ThreadPoolExecutor(OFF_LOOP_THREADS, thread_name_prefix="requests")
-    reading: set[asyncio.Timeout] = set()  # the body deadlines of requests being read: the drain's end is theirs
+def choice(chat: bool, content: str | None, reason: str | None, *, whole: bool = False) -> dict:
+    """A choice of a response (`whole`) or of a chunk; a chat chunk's delta is empty at the end."""
+    if not chat:
+        return {"index": 0, "text": content or "", "logprobs": None, "finish_reason": reason}
+    key, value = (("message", {"role": "assistant", "content": content}) if whole else
+                  ("delta", {} if content is None else {"content": content}))
+    return {"index": 0, key: value, "logprobs": None, "finish_reason": reason}
 
-    async def lifespan(app):
-        yield
-        off_loop.shutdown(wait=False, cancel_futures=True)
-        decoder.close()
 
-    app = FastAPI(title="eagle3", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.decoder, app.state.settings = decoder, settings
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
 
-    def stop(drain_s: float) -> None:
+
+async def whole_answer(job: Job, head: dict, chat: bool) -> dict | None:
+    """The response body once the job is done (None: its client has left); an error event is raised."""
+    parts = []
+    while True:
+        event = await job.events.get()
+        if event[0] == "text":
+            parts.append(event[1])
+        elif event[0] == "error":
+            raise event[1]
+        elif event[0] == "gone":
+            return None
+        else:
+            _, res, text = event
+            return {**head, "object": "chat.completion" if chat else "text_completion",
+                    "choices": [choice(chat, "".join(parts), finish_reason(res, text), whole=True)],
+                    "usage": usage(job, res, text)}
+
+
+async def stream_answer(job: Job, head: dict, chat: bool, counted):
+    """The job's events as server-sent events in OpenAI's chunk format, ending with `[DONE]`; an error (the drain's
+    end, a decoding failure, a fault here; `counted` records it) is an event of its own before `[DONE]`, so a
+    stream is never cut without saying why."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    try:
+        if chat:  # the role comes first, as OpenAI's streams send it
+            opening = choice(chat, "", None)
+            opening["delta"]["role"] = "assistant"
+            yield sse({**head, "object": obj, "choices": [opening]})
+        while True:
+            event = await job.events.get()
+            if event[0] == "text":
+                yield sse({**head, "object": obj, "choices": [choice(chat, event[1], None)]})
+                continue
+            if event[0] == "error":
+                yield sse(counted(event[1]).body())
+            elif event[0] == "done":
+                _, res, text = event
+                yield sse({**head, "object": obj, "choices": [choice(chat, None, finish_reason(res, text))]})
+                if job.req.include_usage:
+                    yield sse({**head, "object": obj, "choices": [], "usage": usage(job, res, text)})
+            break
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # our fault, mid-stream: said in the stream's own terms
+        log.exception("stream failed")
+        yield sse(counted(RequestError(500, f"internal error: {type(e).__name__}: {quote(str(e))}",
+                                       kind="server_error")).body())
+        yield "data: [DONE]\n\n"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The endpoints' work, and the HTTP application that routes to it
+
+
+class Api:
+    """What the endpoints do, over a loaded engine (any runner.engine.Engine) and its tokenizer: the state they
+    share (the decoder, the request limits, the tokenizer's encoder, the metrics, the threads that work off the
+    event loop) and one method per endpoint, each reading its request through runner.requests' functions. The
+    settings and the chat template are checked here (a ValueError naming what is wrong), before anything is
+    served."""
+
+    def __init__(self, engine, tokenizer, settings: Settings, *, chat_template: str | None = None):
+        meta = engine.meta
+        self.max_k = meta["max_m"] - 1
+        self.default_chain = meta["default_chain"] if settings.chain is None else settings.chain
+        if not 0 <= self.default_chain <= self.max_k:
+            raise ValueError(f"chain K={self.default_chain} is outside [0, {self.max_k}] of this engine "
+                             f"(max_m={meta['max_m']})")
+        check_settings(settings)
+        self.enc = encoder(tokenizer, chat_template)
+        check_chat_template(self.enc)
+        self.settings, self.max_seq_len = settings, meta["max_seq_len"]
+        self.limits = Limits(model=settings.model, max_seq_len=meta["max_seq_len"], vocab_size=meta["vocab_size"],
+                             max_chain=self.max_k, chain=self.default_chain, policy=settings.policy,
+                             temperature=settings.temperature, seed=settings.seed)
+        self.metrics = Metrics(settings.model)
+        self.decoder = Decoder(engine, tokenizer, settings, self.metrics)
+        self.off_loop = ThreadPoolExecutor(OFF_LOOP_THREADS, thread_name_prefix="requests")
+        self.reading: set[asyncio.Timeout] = set()  # the body deadlines of requests being read: the drain ends them
+
+    def close(self) -> None:
+        self.off_loop.shutdown(wait=False, cancel_futures=True)
+        self.decoder.close()
+
+    def stop(self, drain_s: float) -> None:
         """The drain has ended: the requests still in flight are answered 503 now (runner.serve.Server)."""
-        decoder.stop(RequestError(503, f"the server is shutting down: this request did not finish within its "
-                                  f"drain time of {drain_s:g} s", kind="server_error"))
+        self.decoder.stop(RequestError(503, f"the server is shutting down: this request did not finish within its "
+                                       f"drain time of {drain_s:g} s", kind="server_error"))
         now = asyncio.get_running_loop().time()
-        for deadline in list(reading):
+        for deadline in list(self.reading):
             with contextlib.suppress(RuntimeError):  # one that has just expired on its own
                 deadline.reschedule(now)
 
-    app.state.stop = stop
-
-    def counted(e: RequestError) -> RequestError:
+    # --- refusals: each counted once (Metrics.refused), in the JSON shape of OpenAI's errors
+    def counted(self, e: RequestError) -> RequestError:
         if e.status != 429:  # counted where it is refused (Decoder.admit)
-            metrics.refused("invalid" if e.status < 500 else "shutdown" if e.status == 503 else "error")
+            self.metrics.refused("invalid" if e.status < 500 else "shutdown" if e.status == 503 else "error")
         return e
 
-    def refusal(e: RequestError) -> JSONResponse:
-        return JSONResponse(counted(e).body(), status_code=e.status, headers=e.headers)
+    def refusal(self, e: RequestError) -> JSONResponse:
+        return JSONResponse(self.counted(e).body(), status_code=e.status, headers=e.headers)
 
-    def internal(e: Exception) -> JSONResponse:
+    def internal(self, e: Exception) -> JSONResponse:
         log.exception("request failed")
-        return refusal(RequestError(500, f"internal error: {type(e).__name__}: {quote(str(e))}", kind="server_error"))
+        return self.refusal(RequestError(500, f"internal error: {type(e).__name__}: {quote(str(e))}",
+                                         kind="server_error"))
 
-    @app.exception_handler(RequestError)
-    async def refused(request, e: RequestError):
-        return refusal(e)
+    # --- reading a request
+    async def off_the_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.off_loop, fn, *args)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request, e: HTTPException):  # the router's 404 and 405 (whose Allow header it keeps)
-        return JSONResponse(RequestError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
-                            headers=e.headers)
-
-    @app.exception_handler(Exception)
-    async def failed(request, e: Exception):
-        return internal(e)
-
-    def answered(handler):
-        """An endpoint whose refusals, client departures and faults are answered here, each once: a
-        RequestError in its JSON shape, a gone client with nothing, our fault as a 500 in the same shape (logged
-        once, not re-raised into uvicorn's log as the app-wide handler would be)."""
-        @functools.wraps(handler)
-        async def endpoint(request: Request):
-            try:
-                return await handler(request)
-            except RequestError as e:
-                return refusal(e)
-            except ClientDisconnect:
-                return Response(status_code=GONE)
-            except Exception as e:
-                return internal(e)
-        return endpoint
-
-    def authorise(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-            raise RequestError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                               kind="authentication_error")
-
-    async def off_the_loop(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(off_loop, fn, *args)
-
-    async def read_body(request: Request) -> dict:
+    async def read_body(self, request: Request) -> dict:
         """The body as a JSON object (runner.requests.parse_body, off the loop): 413 past max_body_bytes, 408
         when it has not arrived whole within body_timeout_s (or 503 when the drain ends first)."""
-        limit = settings.max_body_bytes
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise RequestError(413, f"the request body has {length} bytes; the limit is {limit}",
-                               headers={"Connection": "close"})
+        limit, length = self.settings.max_body_bytes, request.headers.get("content-length", "")
+        check_body_length(length, limit)
         pieces, size = [], 0
         try:
-            async with asyncio.timeout(settings.body_timeout_s) as deadline:
-                reading.add(deadline)
+            async with asyncio.timeout(self.settings.body_timeout_s) as deadline:
+                self.reading.add(deadline)
                 try:
                     async for piece in request.stream():
                         pieces.append(piece)
@@ -603,136 +631,130 @@ def create_app(engine, tokenizer, settings: Settings, *, chat_template: str | No
                             raise RequestError(413, f"the request body exceeds the limit of {limit} bytes",
                                                headers={"Connection": "close"})
                 finally:
-                    reading.discard(deadline)
+                    self.reading.discard(deadline)
         except TimeoutError:
-            if decoder.stopped is not None:
-                raise decoder.stopped from None
+            if self.decoder.stopped is not None:
+                raise self.decoder.stopped from None
             raise RequestError(408, f"the request body did not arrive within body_timeout_s="
-                               f"{settings.body_timeout_s:g} s ({size} of {length or 'an unknown number of'} "
+                               f"{self.settings.body_timeout_s:g} s ({size} of {length or 'an unknown number of'} "
                                "bytes came)", headers={"Connection": "close"}) from None
-        return await off_the_loop(parse_body, b"".join(pieces))
+        return await self.off_the_loop(parse_body, b"".join(pieces))
 
-    async def watch(request: Request, job: Job) -> None:
+    async def watch(self, request: Request, job: Job) -> None:
         """Until the client disconnects: then its job leaves the queue at once (or stops after the round in
         flight) and its handler ends."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        if decoder.release(job):
-            metrics.success("abort")
+        if self.decoder.release(job):
+            self.metrics.success("abort")
         job.post("gone")
 
-    async def respond(request: Request, chat: bool):
-        authorise(request)
-        req = parse_request(await read_body(request), chat=chat, limits=limits)
-        if isinstance(req.prompt, str):  # before it takes a slot or a thread
-            check_text_fits(utf8_len(req.prompt), enc.bytes_per_token, req, limits, "prompt")
-        job = decoder.admit(req)
-        watcher = asyncio.create_task(watch(request, job))
+    # --- the endpoints
+    async def complete(self, request: Request, chat: bool) -> Response:
+        """/v1/completions and /v1/chat/completions: the request read, admitted, tokenized and queued, then its
+        answer whole or streamed."""
+        check_api_key(request.headers.get("authorization", ""), self.settings.api_key)
+        req = parse_request(await self.read_body(request), chat=chat, limits=self.limits)
+        check_prompt_bytes(self.enc, req, self.limits)  # before it takes a slot or a thread
+        job = self.decoder.admit(req)
+        watcher = asyncio.create_task(self.watch(request, job))
 
         def over() -> None:
             watcher.cancel()
-            decoder.release(job)
+            self.decoder.release(job)
 
         try:
-            if isinstance(req.prompt, list):
-                budget = check_fits(len(req.prompt), req, limits)
-                prompt = check_ids(req.prompt, limits, "prompt")
-            else:
-                prompt, budget = await off_the_loop(prompt_ids, enc, req, limits)
-            decoder.submit(job, prompt, budget)
+            prompt, budget = (await self.off_the_loop(prompt_and_budget, self.enc, req, self.limits)
+                              if tokenizes(req) else prompt_and_budget(self.enc, req, self.limits))
+            self.decoder.submit(job, prompt, budget)
         except BaseException:
             over()
             raise
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        head = {"id": rid, "created": int(time.time()), "model": settings.model}
-
-        def choice(content: str | None, reason: str | None, *, whole: bool = False) -> dict:
-            """A choice of the response (`whole`) or of a chunk; a chat chunk's delta is empty at the end."""
-            if not chat:
-                return {"index": 0, "text": content or "", "logprobs": None, "finish_reason": reason}
-            key, value = (("message", {"role": "assistant", "content": content}) if whole else
-                          ("delta", {} if content is None else {"content": content}))
-            return {"index": 0, key: value, "logprobs": None, "finish_reason": reason}
-
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+                "model": self.settings.model}
         if not req.stream:
             try:
-                parts = []
-                while True:
-                    event = await job.events.get()
-                    if event[0] == "text":
-                        parts.append(event[1])
-                    elif event[0] == "error":
-                        raise event[1]
-                    elif event[0] == "gone":
-                        return Response(status_code=GONE)
-                    else:
-                        _, res, text = event
-                        break
+                body = await whole_answer(job, head, chat)
             finally:
                 over()
-            return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                                 "choices": [choice("".join(parts), finish_reason(res, text), whole=True)],
-                                 "usage": usage(job, res, text)})
-
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def sse(payload: dict) -> str:
-            return f"data: {json.dumps(payload)}\n\n"
+            return Response(status_code=GONE) if body is None else JSONResponse(body)
 
         async def chunks():
-            """The stream's events; an error (the drain's end, a decoding failure, a fault here) is an event of
-            its own before `[DONE]`, so a stream is never cut without saying why."""
             try:
-                if chat:  # the role comes first, as OpenAI's streams send it
-                    opening = choice("", None)
-                    opening["delta"]["role"] = "assistant"
-                    yield sse({**head, "object": obj, "choices": [opening]})
-                while True:
-                    event = await job.events.get()
-                    if event[0] == "text":
-                        yield sse({**head, "object": obj, "choices": [choice(event[1], None)]})
-                        continue
-                    if event[0] == "error":
-                        yield sse(counted(event[1]).body())
-                    elif event[0] == "done":
-                        _, res, text = event
-                        yield sse({**head, "object": obj, "choices": [choice(None, finish_reason(res, text))]})
-                        if req.include_usage:
-                            yield sse({**head, "object": obj, "choices": [], "usage": usage(job, res, text)})
-                    break
-                yield "data: [DONE]\n\n"
-            except Exception as e:  # our fault, mid-stream: said in the stream's own terms
-                log.exception("stream failed")
-                yield sse(counted(RequestError(500, f"internal error: {type(e).__name__}: {quote(str(e))}",
-                                               kind="server_error")).body())
-                yield "data: [DONE]\n\n"
+                async with contextlib.aclosing(stream_answer(job, head, chat, self.counted)) as stream:
+                    async for chunk in stream:
+                        yield chunk
             finally:
                 over()
 
         return StreamingResponse(chunks(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    async def models(self, request: Request) -> JSONResponse:
+        check_api_key(request.headers.get("authorization", ""), self.settings.api_key)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.settings.model, "object": "model", "created": 0, "owned_by": "eagle3",
+             "max_model_len": self.max_seq_len, "max_chain": self.max_k, "default_chain": self.default_chain}]})
+
+
+def create_app(engine, tokenizer, settings: Settings, *, chat_template: str | None = None):
+    """The FastAPI application over a loaded engine and its tokenizer: routes to `Api`'s endpoints, each of whose
+    refusals, client departures and faults is answered once (a RequestError in its JSON shape, a gone client with
+    nothing, our fault as a 500 in the same shape, logged once). A ValueError names a bad setting or template."""
+    api = Api(engine, tokenizer, settings, chat_template=chat_template)
+
+    async def lifespan(app):
+        yield
+        api.close()
+
+    app = FastAPI(title="eagle3", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.decoder, app.state.settings, app.state.stop = api.decoder, settings, api.stop
+
+    @app.exception_handler(RequestError)
+    async def refused(request, e: RequestError):
+        return api.refusal(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):  # the router's 404 and 405 (whose Allow header it keeps)
+        return JSONResponse(RequestError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                            headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def failed(request, e: Exception):
+        return api.internal(e)
+
+    def answered(handler):
+        """The endpoint `handler`, its answers caught here rather than re-raised into uvicorn's log."""
+        @functools.wraps(handler)
+        async def endpoint(request: Request):
+            try:
+                return await handler(request)
+            except RequestError as e:
+                return api.refusal(e)
+            except ClientDisconnect:
+                return Response(status_code=GONE)
+            except Exception as e:
+                return api.internal(e)
+        return endpoint
+
     @app.post("/v1/completions")
     @answered
     async def completions(request: Request):
-        return await respond(request, chat=False)
+        return await api.complete(request, chat=False)
 
     @app.post("/v1/chat/completions")
     @answered
     async def chat_completions(request: Request):
-        return await respond(request, chat=True)
+        return await api.complete(request, chat=True)
 
     @app.get("/v1/models")
     @answered
     async def models(request: Request):
-        authorise(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": settings.model, "object": "model", "created": 0, "owned_by": "eagle3",
-             "max_model_len": meta["max_seq_len"], "max_chain": max_k, "default_chain": default_chain}]})
+        return await api.models(request)
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(api.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():

@@ -119,7 +119,7 @@ def test_the_engine_group_does_not_change_the_export_key(monkeypatch):
     monkeypatch.setattr(hardware, "row_tile", lambda quant: {"tile": 4, "capability": "pinned by the test"})
     keys = {export_key(*overrides) for overrides in (
         (), ("engine=eager",), ("engine=cuda",), ("engine=cuda", "engine.max_m=4", "engine.default_chain=2"),
-        ("engine=cuda", "engine.quant=int4", "engine.exact=false"), ("engine.exact=true", "engine.exact_width=4"))}
+        ("engine=cuda", "engine.quant=w4_g32", "engine.exact=false"), ("engine.exact=true", "engine.exact_width=4"))}
     assert len(keys) == 1
     assert compose_cfg().export.default_chain == compose_cfg("engine=cuda").export.default_chain == 3
 
@@ -145,7 +145,8 @@ def test_an_unresolved_auto_never_reaches_a_key():
         plan_keys(compose_cfg(resolve=False), stage_modules())
 
 
-@pytest.mark.parametrize("tile, quant, chain", [(7, "int4_draft", 6), (6, "none", 5), (3, "int4", 2), (2, "int4", 1)])
+@pytest.mark.parametrize("tile, quant, chain", [(7, "8da4w_draft", 6), (6, "fp32", 5), (3, "8da4w_offsets", 2),
+                                                      (2, "8da4w_offsets", 1)])
 def test_auto_default_chain_keeps_the_default_window_in_one_gemm_pass(monkeypatch, tile, quant, chain):
     monkeypatch.setattr(hardware, "row_tile", lambda q: {"tile": tile, "capability": "pinned by the test"})
     cfg = compose_cfg(f"export.quant={quant}")

@@ -26,7 +26,7 @@ def test_each_engine_config_is_the_arguments_of_its_builder(kind):
 
 @pytest.mark.parametrize("options, artifacts, named", [
     ({"kind": "gpu"}, {}, "engine.kind='gpu': expected one of pte, eager, cuda"),
-    ({"kind": "pte", "quant": "int4"}, {}, "engine=pte takes no quant: its options are exact, exact_width"),
+    ({"kind": "pte", "quant": "w4_g32"}, {}, "engine=pte takes no quant: its options are exact, exact_width"),
     ({"kind": "pte", "exact": "auto"}, {"pte": "m.pte", "tokenizer": "t.json"},
      "engine.exact='auto': expected a value"),
     ({"kind": "pte", "exact": True, "exact_width": "auto"}, {"pte": "m.pte", "tokenizer": "t.json"},
@@ -34,8 +34,10 @@ def test_each_engine_config_is_the_arguments_of_its_builder(kind):
     ({"kind": "pte"}, {"tokenizer": "t.json"}, "engine=pte reads pte, tokenizer; missing: pte"),
     ({"kind": "cuda", "max_m": 8, "default_chain": 4, "max_prefill_chunk": 64}, {"target": "t"},
      "engine=cuda reads target, draft; missing: draft"),
-    ({"kind": "cuda", "max_m": 8, "default_chain": 4, "max_prefill_chunk": 64, "compile": "max"},
+    ({"kind": "cuda", "max_m": 8, "default_chain": 4, "max_prefill_chunk": 64, "compile": "max",
+      "min_prefill_chunk": None, "device": "cuda", "quant": "bf16", "exact": False, "max_seq_len": 256},
      {"target": "t", "draft": "d"}, "engine.compile='max': expected one of none, inductor"),
+    ({"kind": "pte"}, {"pte": "m.pte", "tokenizer": "t.json"}, "engine=pte needs engine.exact, engine.exact_width"),
 ])
 def test_a_bad_engine_option_is_refused_naming_it_before_anything_loads(options, artifacts, named):
     with pytest.raises(ValueError) as e:

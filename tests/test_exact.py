@@ -1,4 +1,4 @@
-"""Exact mode on int4 .pte programs: every K gives the program's own exact K=0 tokens bit for bit.
+"""Exact mode on 8da4w .pte programs: every K gives the program's own exact K=0 tokens bit for bit.
 
 8da4w rounds each linear's input to int8 per row, so a 1e-7 difference in a row turns into whole steps and
 flips near ties; without exact mode a row's logits depend on its call's width and key length. One program
@@ -20,7 +20,7 @@ from runner.generate import generate, prefill
 
 from oracle import Oracle
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # exports an int4 program
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # exports an 8da4w program
 
 MAX_M, VOCAB = 4, 384
 SHAPE = dict(n_layers=2, hidden_size=128, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=256,
@@ -29,14 +29,14 @@ SHAPE = dict(n_layers=2, hidden_size=128, n_heads=4, n_kv_heads=2, head_dim=32, 
 
 @pytest.fixture(scope="module")
 def exact(tmp_path_factory):
-    """(the int4 program, the same program in exact mode at max_m rows)."""
+    """(the 8da4w_offsets program, the same program in exact mode at max_m rows)."""
     target = tiny_target(seed=0, vocab_size=VOCAB, max_seq_len=64, **SHAPE)
     path = tmp_path_factory.mktemp("exact") / "model.pte"
     export_pte(Speculator(target, tiny_draft(target, seed=1)).eval(), max_m=MAX_M, default_chain=2,
-               max_prefill_chunk=16, min_prefill_chunk=5, backend="xnnpack", quant="int4", out_path=path,
+               max_prefill_chunk=16, min_prefill_chunk=5, backend="xnnpack", quant="8da4w_offsets", out_path=path,
                manifest_hash="0" * 64, progress=False, draft_chains=False)  # exactness is the target's
-    plain = PteEngine(path)
-    return plain, ExactEngine(plain, MAX_M)
+    program = PteEngine(path)
+    return program, ExactEngine(program, MAX_M)
 
 
 def fresh_prompt(n: int) -> list[int]:
@@ -87,22 +87,22 @@ def test_every_k_gives_the_exact_k0_tokens(exact, spoil):
         assert max(res.accepted) == (k if spoil is None else k - 1 if spoil == "last" else 0), res.accepted
 
 
-def test_exact_mode_reads_the_same_attention_as_plain_decoding(tiny_pte):
-    """The whole-cache mask hides exactly the slots after each row's position (the padding rows' writes
-    included): in fp32 the exact rows are the plain rows up to float noise."""
+def test_exact_mode_reads_the_same_attention_as_the_t1_decode(tiny_pte):
+    """The exact call's attention (eagle3::exact_sdpa) hides the slots after each row's position (the padding
+    rows' writes included): in fp32 the exact rows are the T = 1 decode's rows up to float noise."""
     from runner.engine import EagerEngine
 
-    plain = EagerEngine(tiny_pte.speculator(), max_m=tiny_pte.max_m, default_chain=2, max_prefill_chunk=16)
-    engine = ExactEngine(plain, tiny_pte.max_m)
+    eager = EagerEngine(tiny_pte.speculator(), max_m=tiny_pte.max_m, default_chain=2, max_prefill_chunk=16)
+    engine = ExactEngine(eager, tiny_pte.max_m)
     prompt, continuation = [(5 * i + 1) % 250 for i in range(11)], [(3 * i + 7) % 250 for i in range(10)]
-    want = window_logits(plain, prompt, continuation, 0)
+    want = window_logits(eager, prompt, continuation, 0)
     for k in (0, 2, tiny_pte.max_m - 1):
         torch.testing.assert_close(window_logits(engine, prompt, continuation, k), want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_exact_call_attends_through_eagle3_exact_sdpa_and_the_plain_calls_through_custom_sdpa(exact):
+def test_the_exact_call_attends_through_eagle3_exact_sdpa_and_the_other_calls_through_custom_sdpa(exact):
     """The exact call's attention costs the context, not the cache (models.exact_sdpa): its method calls our
-    kernel and no custom_sdpa; the plain calls keep ExecuTorch's."""
+    kernel and no custom_sdpa; the other target methods keep ExecuTorch's."""
     from executorch.exir._serialize._program import deserialize_pte_binary
 
     pte = deserialize_pte_binary(exact[0].path.read_bytes())
@@ -150,29 +150,29 @@ def test_the_kernel_gives_a_row_the_same_bits_alone_and_among_others_and_the_ref
 
 
 def test_the_exact_width_is_refused_outside_the_programs_verify_range(exact):
-    plain, _ = exact
+    program, _ = exact
     for width in (1, MAX_M + 1):
         with pytest.raises(ValueError, match=rf"exact width {width}: .* T in \[2, {MAX_M}\]"):
-            ExactEngine(plain, width)
-    engine = ExactEngine(plain, 3)
-    assert engine.meta["max_m"] == 3 and engine.meta["max_seq_len"] == plain.meta["max_seq_len"] - 2
+            ExactEngine(program, width)
+    engine = ExactEngine(program, 3)
+    assert engine.meta["max_m"] == 3 and engine.meta["max_seq_len"] == program.meta["max_seq_len"] - 2
     with pytest.raises(ValueError, match="chain"):
         generate(engine, [1, 2, 3], chain=3, max_new_tokens=4)
 
 
 def test_auto_exact_is_on_where_a_rows_rounding_can_flip_a_token():
-    assert resolve_exact("auto", engine="pte", quant="int4") and resolve_exact("auto", engine="cuda", quant="none")
-    assert not resolve_exact("auto", engine="pte", quant="none") and not resolve_exact("auto", engine="eager",
-                                                                                          quant="none")
-    assert resolve_exact(True, engine="pte", quant="none") and not resolve_exact(False, engine="cuda", quant="none")
+    assert resolve_exact("auto", engine="pte", quant="8da4w_offsets") and resolve_exact("auto", engine="cuda", quant="fp32")
+    assert not resolve_exact("auto", engine="pte", quant="fp32") and not resolve_exact("auto", engine="eager",
+                                                                                          quant="fp32")
+    assert resolve_exact(True, engine="pte", quant="fp32") and not resolve_exact(False, engine="cuda", quant="fp32")
 
 
 def test_auto_exact_width_is_max_m_on_cuda_and_the_gemm_row_tile_clamped_on_xnnpack(monkeypatch):
     import pipeline.hardware as hardware
 
-    assert resolve_exact_width("auto", max_m=8, backend="xnnpack", quant="int4", engine="cuda") == 8
-    assert resolve_exact_width("auto", max_m=8, backend="portable", quant="int4", engine="pte") == 8
-    assert resolve_exact_width(5, max_m=8, backend="xnnpack", quant="int4", engine="pte") == 5
+    assert resolve_exact_width("auto", max_m=8, backend="xnnpack", quant="8da4w_offsets", engine="cuda") == 8
+    assert resolve_exact_width("auto", max_m=8, backend="portable", quant="8da4w_offsets", engine="pte") == 8
+    assert resolve_exact_width(5, max_m=8, backend="xnnpack", quant="8da4w_offsets", engine="pte") == 5
     for tile, want in ((8, 8), (3, 3), (1, 2), (12, 8)):
         monkeypatch.setattr(hardware, "row_tile", lambda quant, t=tile: {"tile": t, "capability": "test"})
-        assert resolve_exact_width("auto", max_m=8, backend="xnnpack", quant="int4", engine="pte") == want
+        assert resolve_exact_width("auto", max_m=8, backend="xnnpack", quant="8da4w_offsets", engine="pte") == want

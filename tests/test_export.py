@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from models import Speculator, load_target, save_speculators, save_target, tiny_draft, tiny_target
+from models.quantize import quantize
 from models.speculator import chain_methods
 from pipeline.store import Artifact
 from pipeline.stages import export as export_stage
@@ -30,13 +31,13 @@ from pipeline import pte_segments
 pytestmark = pytest.mark.slow  # exports programs
 
 MAX_M, CHAIN, MIN_PREFILL, MAX_PREFILL, MAX_SEQ = 4, 2, 5, 16, 64
-BACKENDS = [("portable", "none"), ("xnnpack", "none")]
+BACKENDS = [("portable", "fp32"), ("xnnpack", "fp32")]
 if os.environ.get("EXPORT_TEST_INT4", "1") != "0":
-    BACKENDS += [("xnnpack", "int4"), ("xnnpack", "int4_draft")]
+    BACKENDS += [("xnnpack", "8da4w_offsets"), ("xnnpack", "8da4w_draft")]
 
 
 def export_cfg(**over):
-    ec = dict(backend="xnnpack", quant="none", group_size=32, max_m=MAX_M, default_chain=CHAIN,
+    ec = dict(backend="xnnpack", quant="fp32", group_size=32, max_m=MAX_M, default_chain=CHAIN,
               max_prefill_chunk=MAX_PREFILL, min_prefill_chunk=MIN_PREFILL, max_seq_len=MAX_SEQ)
     ec.update(over)
     return OmegaConf.create({"export": ec})
@@ -90,7 +91,7 @@ def exported(request, pair, tmp_path_factory):
             max_seq_len=spec.target.cfg.max_seq_len, manifest_hash=t.report["manifest_hash"])
     out = tmp_path_factory.mktemp(f"export_{backend}_{quant}")
     # the chains (most of an export's lowering) on the default quantisation and on fp32
-    cfg = export_cfg(backend=backend, quant=quant, draft_chains=quant != "int4")
+    cfg = export_cfg(backend=backend, quant=quant, draft_chains=quant != "8da4w_offsets")
     report = export_stage.run(cfg, {"target": pair[0], "draft": pair[1]}, out)
     facts = export_stage.pairing_facts(pair[0].path, pair[1].path, eager(pair))
     return types.SimpleNamespace(
@@ -99,10 +100,10 @@ def exported(request, pair, tmp_path_factory):
         vocab_size=256, draft_vocab_size=128, max_seq_len=MAX_SEQ, manifest_hash=export_stage.hash_facts(facts))
 
 
-def eager(pair, quant="none"):
-    """A fresh eager Speculator with the stage's weights (int4, int4_draft: quantized the same way)."""
+def eager(pair, quant="fp32"):
+    """A fresh eager Speculator with the stage's weights (8da4w_offsets, 8da4w_draft: quantized the same way)."""
     spec = export_stage.load_pair(pair[0].path, pair[1].path)
-    export_lib.quantize(spec, quant, 32)
+    quantize(spec, quant, 32)
     return spec
 
 
@@ -117,7 +118,7 @@ def call(prog, method, *inputs):
 
 
 def tol(quant):  # int4: the eager reference fakes the integer kernels
-    return dict(atol=1e-4, rtol=1e-4) if quant == "none" else dict(atol=5e-2, rtol=5e-2)
+    return dict(atol=1e-4, rtol=1e-4) if quant == "fp32" else dict(atol=5e-2, rtol=5e-2)
 
 
 PROMPT = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(7))
@@ -179,7 +180,7 @@ def test_draft_decode_matches_eager_seed_then_single_steps(exported):
     prog, spec = program(x.path), x.eager()
 
     def check(got, want, where):
-        if x.quant == "none":
+        if x.quant == "fp32":
             assert torch.equal(got[0], want[0]), where
         else:
             torch.testing.assert_close(got[2], want[2], **tol(x.quant))
@@ -310,7 +311,7 @@ def test_the_program_stores_the_embedding_table_once(exported):
     assert spec.draft.embed_tokens.weight is spec.target.embed_tokens.weight
     layout = pte_segments.data_layout(data)
     assert x.report["pte_bytes"] == len(data) and x.report["pte_shared_bytes"] == layout["named_data_shared"]
-    if x.backend == "xnnpack" and x.quant == "none":
+    if x.backend == "xnnpack" and x.quant == "fp32":
         assert spec.target.lm_head.weight is spec.target.embed_tokens.weight
         assert layout["named_data_shared"] >= table.nbytes
         seen, distinct = set(), 0  # the KV caches are planned memory, not stored data
@@ -417,7 +418,7 @@ def test_a_draft_saved_in_bfloat16_loads_and_exports_with_a_float32_target(tmp_p
         want = spec.draft_decode(PROMPT[:, 1:9], feature, pos(0, 8))
     got = call(prog, "draft_decode", PROMPT[:, 1:9], feature, pos(0, 8))
     assert torch.equal(got[0], want[0])
-    torch.testing.assert_close(got[2], want[2], **tol("none"))
+    torch.testing.assert_close(got[2], want[2], **tol("fp32"))
 
 
 # --- refusals before any lowering ----------------------------------------------------------------------
@@ -438,7 +439,7 @@ def no_lowering(monkeypatch):
     (dict(min_prefill_chunk=2), r"straddles the dispatch threshold max_m=4"),
     (dict(default_chain=MAX_M), r"default_chain=4.*\[1, 3\]"),
     (dict(default_chain=0), r"default_chain=0"),
-    (dict(backend="portable", quant="int4"), r"int4 needs export=xnnpack"),
+    (dict(backend="portable", quant="8da4w_offsets"), r"8da4w_offsets needs export=xnnpack"),
     (dict(backend="cuda"), r"backend='cuda'"),
     (dict(max_prefill_chunk=MAX_SEQ + 1), r"max_seq_len=64"),
     (dict(max_seq_len=MAX_M - 1), r"max_m=4 is larger than .*max_seq_len=3"),
@@ -530,7 +531,7 @@ def test_stage_loads_the_stored_target_unchanged(pair):
 
 def test_sliding_window_constant_is_the_smallest_window():
     args = dict(max_m=4, default_chain=1, max_prefill_chunk=16, min_prefill_chunk=5, manifest_hash="0" * 64,
-                backend="portable", quant="none")
+                backend="portable", quant="fp32")
     for window, want in (([8, None], 8), (None, 0)):
         target = make_target(sliding_window=window)
         spec = Speculator(target, make_draft(target))

@@ -72,14 +72,14 @@ def test_an_explicit_bf16_without_native_bf16_is_kept_and_warned_about_once(monk
 def test_the_row_tile_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
     """The real probe (an XNNPACK program timed at M = 1..16, in a process of its own), then the cache."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = hardware.row_tile("none")
+    first = hardware.row_tile("fp32")
     assert 2 <= first["tile"] <= hardware.MAX_PROBE_ROWS and len(first["ratio_to_m1"]) == hardware.MAX_PROBE_ROWS
     assert first["capability"] == torch.backends.cpu.get_cpu_capability()
     assert hardware.tile_from_curve(first["ratio_to_m1"]) == first["tile"]
     cached = json.loads(hardware.cache_file().read_text())
     assert list(cached.values()) == [first]
     monkeypatch.setattr(hardware, "_measure_in_subprocess", lambda quant: pytest.fail("measured twice"))
-    assert hardware.row_tile("none") == first
+    assert hardware.row_tile("fp32") == first
 
 
 def test_default_chain_auto_measures_no_row_tile_where_executorch_is_not_installed(monkeypatch, caplog):
@@ -91,9 +91,9 @@ def test_default_chain_auto_measures_no_row_tile_where_executorch_is_not_install
     with caplog.at_level(logging.INFO, logger="pipeline.hardware"):
         for max_m in (2, 4, 8):
             assert hardware.resolve_default_chain("auto", max_m=max_m, backend="xnnpack",
-                                                  quant="int4") == min(DEFAULT_CHAIN, max_m - 1)
+                                                  quant="8da4w_offsets") == min(DEFAULT_CHAIN, max_m - 1)
     assert "ExecuTorch is not installed" in caplog.text
-    assert hardware.resolve_default_chain(3, max_m=8, backend="xnnpack", quant="int4") == 3
+    assert hardware.resolve_default_chain(3, max_m=8, backend="xnnpack", quant="8da4w_offsets") == 3
 
 
 def run_governor(gov, seconds_at, steps):

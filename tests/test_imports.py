@@ -1,5 +1,5 @@
 """The import arrows point down: native/ (the C++ compiler driver) is the floor, models/ (target, draft, text facts,
-choice names, quiet) stands on it, runner/ and pipeline/ on models/, bench/ on everything. Read from the source
+choice names, quantisers, quiet) stands on it, runner/ and pipeline/ on models/, bench/ on everything. Read from the source
 (ast), so an import inside a function counts as well."""
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import int4_gemm as G
+from models.quantize import dequantize_w4, quantize_w4, unpack_w4
 
 MAX_M = 8
 CUDA = torch.cuda.is_available()
@@ -19,13 +20,13 @@ def rel_err(out, ref):
 
 
 def reference64(x, packed, scale_zero, group):
-    return x.double() @ G.dequantize_int4(packed, scale_zero, group, torch.float64).t()
+    return x.double() @ dequantize_w4(packed, scale_zero, group, torch.float64).t()
 
 
 def test_packing_puts_even_k_in_the_low_nibble(seed):
     w = torch.randn(8, 64)
-    packed, scale_zero = G.quantize_int4(w, 32)
-    q = G.unpack_int4(packed)
+    packed, scale_zero = quantize_w4(w, 32)
+    q = unpack_w4(packed)
     assert torch.equal(packed & 0xF, q[:, 0::2]) and torch.equal(packed >> 4, q[:, 1::2])
     assert packed.shape == (8, 32) and scale_zero.shape == (2, 8, 2) and scale_zero.dtype == torch.bfloat16
 
@@ -38,8 +39,8 @@ def test_quantisation_error_is_within_one_step_and_zero_is_a_level(seed, group):
     w = torch.randn(16, 256, generator=g) * 3
     w[:4] = w[:4].abs() + 1  # groups of one sign: their range still takes in 0
     w[4:8] = -w[4:8].abs() - 1
-    packed, scale_zero = G.quantize_int4(w, group)
-    err = (G.dequantize_int4(packed, scale_zero, group, torch.float32) - w).abs()
+    packed, scale_zero = quantize_w4(w, group)
+    err = (dequantize_w4(packed, scale_zero, group, torch.float32) - w).abs()
     step = scale_zero[..., 0].float().t().repeat_interleave(group, dim=1)
     assert (err <= step + 1e-6).all(), f"seed {seed}"
     zero = scale_zero[..., 1].float()
@@ -58,8 +59,8 @@ def test_a_4bit_gguf_block_comes_back_within_its_bf16_rounding(seed, group):
     q = torch.randint(0, 16, (N, K // group, group), generator=g)
     q[..., 0], q[..., 1] = 0, 15
     w = (m + d * q).reshape(N, K)
-    packed, scale_zero = G.quantize_int4(w, group)
-    err = (G.dequantize_int4(packed, scale_zero, group, torch.float32) - w).abs()
+    packed, scale_zero = quantize_w4(w, group)
+    err = (dequantize_w4(packed, scale_zero, group, torch.float32) - w).abs()
     step = d.expand(N, K // group, group).reshape(N, K)
     assert (err <= step * 2 ** -8 * 20 + 1e-6).all(), f"seed {seed}"  # bf16 rounding of zero (<= 16) and scale
 
@@ -73,7 +74,7 @@ def test_a_4bit_gguf_block_comes_back_within_its_bf16_rounding(seed, group):
 ])
 def test_kernel_matches_reference_for_every_m(interpret, seed, group, config, K):
     N = 80
-    packed, scale_zero = G.quantize_int4(torch.randn(N, K), group)
+    packed, scale_zero = quantize_w4(torch.randn(N, K), group)
     for M in range(1, MAX_M + 1):
         x = torch.randn(M, K).to(torch.bfloat16)
         out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
@@ -118,7 +119,7 @@ def test_gluon_prep_scales_x_so_the_fp16_product_is_exact(interpret, seed, M, bl
     sum |x||w| in 80 random draws (the bf16 output rounds at 4e-3)."""
     from kernels import int4_gluon
     K, N, group = 256, 16, 128
-    packed, scale_zero = G.quantize_int4(torch.randn(N, K), group)
+    packed, scale_zero = quantize_w4(torch.randn(N, K), group)
     x = torch.randn(M, K).to(torch.bfloat16)
     x[1] *= 1e5
     x[2, :group] *= 1e-6
@@ -127,7 +128,7 @@ def test_gluon_prep_scales_x_so_the_fp16_product_is_exact(interpret, seed, M, bl
     int4_gluon._prep_kernel[(K // group,)](x, xp, xs, M, K, x.stride(0), GROUP=group, BLOCK_M=block_m, PDL=False)
     assert xp.isfinite().all() and xp.abs().max() < 2 ** 15 and not xp[M:].any()
     assert not xs[:, :2 * block_m].reshape(-1, 2, block_m)[..., M:].any(), "C and X of rows >= M must be zero"
-    q = G.unpack_int4(packed).double()
+    q = unpack_w4(packed).double()
     wk = torch.where(torch.arange(K) % 2 == 1, 1024 + 16 * q, 1024 + q)[:, fragment_order(K, group)]
     y = torch.zeros(M, N, dtype=torch.float64)
     for g in range(K // group):
@@ -137,19 +138,19 @@ def test_gluon_prep_scales_x_so_the_fp16_product_is_exact(interpret, seed, M, bl
         s, z = scale_zero[g].double().unbind(-1)
         y += s * r_inv * (P - c - z * x_sum)
     ref = reference64(x, packed, scale_zero, group)
-    magnitude = x.double().abs() @ G.dequantize_int4(packed, scale_zero, group, torch.float64).abs().t()
+    magnitude = x.double().abs() @ dequantize_w4(packed, scale_zero, group, torch.float64).abs().t()
     assert ((y - ref).abs() <= 1e-5 * magnitude.amax(1, keepdim=True)).all(), f"seed {seed}"
 
 
-def test_op_matches_plain_reference(interpret, seed):
-    packed, scale_zero = G.quantize_int4(torch.randn(64, 128), 32)
+def test_op_matches_the_reference(interpret, seed):
+    packed, scale_zero = quantize_w4(torch.randn(64, 128), 32)
     x = torch.randn(3, 128).to(torch.bfloat16)
     out = G.int4_mm(x, packed, scale_zero, 32)
     assert rel_err(out, G.int4_mm_reference(x, packed, scale_zero, 32)) < 2e-2
 
 
 def test_op_traces_into_an_exported_graph(interpret):
-    packed, scale_zero = G.quantize_int4(torch.randn(64, 128), 128)
+    packed, scale_zero = quantize_w4(torch.randn(64, 128), 128)
 
     class Lin(torch.nn.Module):
         def forward(self, x):
@@ -163,7 +164,7 @@ def test_op_traces_into_an_exported_graph(interpret):
 
 
 def test_more_rows_than_the_kernel_takes_are_refused():
-    packed, scale_zero = G.quantize_int4(torch.randn(64, 128), 128)
+    packed, scale_zero = quantize_w4(torch.randn(64, 128), 128)
     with pytest.raises(ValueError, match="M <= 16"):
         G.launch_int4_mm(torch.randn(17, 128).to(torch.bfloat16), packed, scale_zero, 128)
 
@@ -182,7 +183,7 @@ def test_default_config_splits_k_by_divisors_up_to_the_cap(K, N, split):
 
 
 def test_scale_zero_in_another_layout_is_refused():
-    packed, scale_zero = G.quantize_int4(torch.randn(64, 128), 32)
+    packed, scale_zero = quantize_w4(torch.randn(64, 128), 32)
     x = torch.randn(2, 128).to(torch.bfloat16)
     for bad in (scale_zero.transpose(0, 1), scale_zero[..., 0], scale_zero.float()):
         with pytest.raises(ValueError, match=r"scale_zero must be contiguous bfloat16 \[K/g, N, 2\] = \[4, 64, 2\]"):
@@ -193,7 +194,7 @@ def test_scale_zero_in_another_layout_is_refused():
 @pytest.mark.parametrize("group", [32, 128])
 def test_gpu_kernel_matches_reference(seed, group):
     N, K = 3000, 4096  # N not a multiple of any BLOCK_N
-    packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K), group))
+    packed, scale_zero = (t.cuda() for t in quantize_w4(torch.randn(N, K), group))
     for M in range(1, 17):
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
         for config in (None, (64, 128, 4, 4, 3), (64, 256, 2, 4, 3, 96), (128, 256, 1, 8, 3)):
@@ -240,7 +241,7 @@ def test_gpu_gluon_kernel_matches_reference(seed, K, N, config):
     kernel or staged in the kernel (one launch up to the M in a 4th config entry, the prep kernel above); None:
     the op's own choice, which must be this path for these shapes."""
     from kernels import int4_gluon
-    packed, scale_zero = (t.cuda() for t in G.quantize_int4(torch.randn(N, K), 128))
+    packed, scale_zero = (t.cuda() for t in quantize_w4(torch.randn(N, K), 128))
     if config is None:
         assert int4_gluon.pick(K, N, 128, torch.device("cuda")) is not None
     for M in range(1, 17):
@@ -299,7 +300,7 @@ def test_gpu_calls_in_sequence_replayed_from_a_graph_match_eager_and_reference(s
     sequence = [((4096, 14336), (2, 4, 64, 4)), ((14336, 4096), (8, 4, 64)), ((4096, 4096), (8, 4, 64, 8)),
                 ((4096, 1024), (8, 4, 64, 8))]
     assert [int4_gluon.triggers(N, cfg[0], dev) for (K, N), cfg in sequence] == [True, True, True, False]
-    weights = [tuple(t.cuda() for t in G.quantize_int4(torch.randn(N, K) * 0.05, 128)) for (K, N), _ in sequence]
+    weights = [tuple(t.cuda() for t in quantize_w4(torch.randn(N, K) * 0.05, 128)) for (K, N), _ in sequence]
     for M in (1, 5, 8):
         x = torch.randn(M, 4096, device="cuda").to(torch.bfloat16)
 

@@ -44,14 +44,14 @@ def check_rms_norm(shape, device, unit_offset=False):
     assert (out == ref).float().mean() > 0.98
 
 
-def check_swiglu(T, H, device, exact, gelu=False):
+def check_swiglu(T, H, device, bitwise, gelu=False):
     """gate and up as the two halves of one row, as the fused gate|up GEMM returns them; values wide enough
     that the activation meets both its tails. gelu: Gemma's GeGLU (tanh GELU) instead of SwiGLU."""
     row = (torch.randn(1, T, 2 * H, device=device) * 4).to(torch.bfloat16)
     gate, up = row[..., :H], row[..., H:]
     out, ref = (geglu(gate, up), gelu_tanh(gate) * up) if gelu else (swiglu(gate, up), F.silu(gate) * up)
     assert out.shape == ref.shape and out.is_contiguous() and out.dtype == torch.bfloat16
-    if exact:
+    if bitwise:
         assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
     elif gelu:
         # the interpreter's tanh is built from exp; 1 + tanh cancels in GELU's negative tail, where its last
@@ -66,12 +66,12 @@ def check_swiglu(T, H, device, exact, gelu=False):
 
 @pytest.mark.parametrize("T,H", [(1, 64), (3, 1500), (8, 2048)])  # H: one block, a masked second, two whole
 def test_swiglu_matches_the_models_product(interpret, seed, T, H):
-    check_swiglu(T, H, "cpu", exact=False)
+    check_swiglu(T, H, "cpu", bitwise=False)
 
 
 @pytest.mark.parametrize("T,H", [(1, 64), (3, 1500)])
 def test_geglu_matches_gemmas_product(interpret, seed, T, H):
-    check_swiglu(T, H, "cpu", exact=False, gelu=True)
+    check_swiglu(T, H, "cpu", bitwise=False, gelu=True)
 
 
 def test_swiglu_refuses_mismatched_inputs(interpret):
@@ -115,5 +115,5 @@ def test_gpu_matches_the_models_modules(seed):
         check_rms_norm(shape, "cuda")
         check_rms_norm(shape, "cuda", unit_offset=True)
     for T, H in ((1, 14336), (8, 14336), (3, 1500)):
-        check_swiglu(T, H, "cuda", exact=True)
-        check_swiglu(T, H, "cuda", exact=True, gelu=True)
+        check_swiglu(T, H, "cuda", bitwise=True)
+        check_swiglu(T, H, "cuda", bitwise=True, gelu=True)

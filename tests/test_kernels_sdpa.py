@@ -1,4 +1,4 @@
-"""Split-K mid-M SDPA against its plain reference: every M, GQA, causal tail, valid length and window,
+"""Split-K mid-M SDPA against its reference: every M, GQA, causal tail, valid length and window,
 empty splits, a context far shorter than the cache, the model's strided q, export tracing; a row's bits the
 same in every call it is in. CPU runs use Triton's interpreter (see
 kernels/_jit.py for why setting TRITON_INTERPRET in a fixture is enough)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import rule
-from kernels.int4_gemm import dequantize_int4
+from models.quantize import dequantize_w4
 from kernels.transform import Int4Linear, to_kernels
 from models.config import TargetConfig
 from models.target import Transformer
@@ -27,7 +27,7 @@ def with_dequantised_weights(ref, kern):
     weights = {}
     for name, m in kern.named_modules():
         if isinstance(m, Int4Linear):
-            weights[name] = dequantize_int4(m.packed, m.scale_zero, m.group, torch.bfloat16)
+            weights[name] = dequantize_w4(m.packed, m.scale_zero, m.group, torch.bfloat16)
     for name, lin in ref.named_modules():
         if not isinstance(lin, torch.nn.Linear):
             continue
@@ -142,7 +142,7 @@ def test_a_width_the_group_does_not_divide_takes_group_32():
         lin = torch.nn.Linear(in_features, 64, bias=False)
         m = Int4Linear(lin, group=128, max_m=MAX_M)
         assert m.group == group
-        w = dequantize_int4(m.packed, m.scale_zero, m.group, torch.float32)
+        w = dequantize_w4(m.packed, m.scale_zero, m.group, torch.float32)
         assert (w - lin.weight).norm() / lin.weight.norm() < 0.1  # 4-bit rounding, not a wrong layout
 
 
@@ -168,6 +168,6 @@ def test_dense_names_keep_their_linears_and_a_grid_survives_when_quantised_befor
     w = ref.layers[0].self_attn.o_proj.weight
     steps = w.reshape(w.shape[0], -1, 32).aminmax(dim=-1)
     steps = ((steps.max - steps.min) / 15).repeat_interleave(32, dim=1)
-    err = {name: ((dequantize_int4(m.self_attn.o_proj.packed, m.self_attn.o_proj.scale_zero, 32, torch.float32)
+    err = {name: ((dequantize_w4(m.self_attn.o_proj.packed, m.self_attn.o_proj.scale_zero, 32, torch.float32)
                    - w).abs() / steps).max().item() for name, m in (("grid", grid.layers[0]), ("cast", cast.layers[0]))}
     assert err["grid"] < 0.1 < 0.3 < err["cast"], err  # in steps: the stored scale's rounding, against requantising

@@ -115,7 +115,7 @@ def test_bytes_per_step(tmp_path):
     assert target_weight_bytes(tied, "fp32") == 4 * n_tied
     assert target_weight_bytes(untied, "fp32") == 4 * n_tied  # the untied embedding is read one row a step
     matrices = sum(p.numel() for p in tied.parameters() if p.ndim == 2)
-    assert target_weight_bytes(tied, "int4") == 4 * (n_tied - matrices) + matrices // 2 + matrices // 32 * 6
+    assert target_weight_bytes(tied, "8da4w_offsets") == 4 * (n_tied - matrices) + matrices // 2 + matrices // 32 * 6
     tok = tokenizer(300)
     f32 = gguf_weight_bytes(gguf_write.write_gguf(tied, tok, tmp_path / "tied.gguf"))
     assert f32 == 4 * n_tied

@@ -55,7 +55,7 @@ def cyclic_speculator(seed: int = 0) -> Speculator:
 
 
 def test_rounds_on_the_device_seed_each_round_from_the_accepted_row():
-    engine = CudaEngine(cyclic_speculator(), device="cpu", dtype="float32", graphs=False, **WINDOWS)
+    engine = CudaEngine(cyclic_speculator(), device="cpu", dtype="float32", graphs=False, exact=False, **WINDOWS)
     for prompt in prompts(3, seed=5):
         base = generate(engine, prompt, chain=0, max_new_tokens=33)
         for k in range(1, WINDOWS["max_m"]):
@@ -69,7 +69,7 @@ def test_cpu_buffers_give_what_the_eager_engine_gives(chain):
     """Same weights, same prompts (fresh lengths 1..29, so prefill, verify-window prefill and one-token pads
     all occur): identical tokens, identical acceptance per round, greedy and sampled."""
     eager = EagerEngine(speculator(), **WINDOWS)
-    mine = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, **WINDOWS)
+    mine = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, exact=False, **WINDOWS)
     for i, prompt in enumerate(prompts(4, seed=chain)):
         for temperature in (0.0, 0.9):
             kw = dict(chain=chain, max_new_tokens=24, temperature=temperature, seed=i)
@@ -79,7 +79,7 @@ def test_cpu_buffers_give_what_the_eager_engine_gives(chain):
 
 
 def test_every_chain_is_lossless_against_its_own_greedy():
-    engine = CudaEngine(speculator(3), device="cpu", dtype="float32", graphs=False, **WINDOWS)
+    engine = CudaEngine(speculator(3), device="cpu", dtype="float32", graphs=False, exact=False, **WINDOWS)
     for prompt in prompts(3, seed=7):
         base = generate(engine, prompt, chain=0, max_new_tokens=40).output_ids
         for k in range(1, WINDOWS["max_m"]):
@@ -122,7 +122,7 @@ def test_exact_rounds_are_lossless_up_to_a_full_cache():
 
 
 def test_a_window_outside_the_captured_range_is_refused_naming_it():
-    engine = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, **WINDOWS)
+    engine = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, exact=False, **WINDOWS)
     with pytest.raises(ValueError, match=r"target_verify takes T in \[2, 5\].*T=6"):
         engine.target_verify(torch.zeros(1, 6, dtype=torch.long), torch.arange(6))
     with pytest.raises(ValueError, match="target_decode takes T=1; got T=2"):
@@ -133,13 +133,13 @@ def test_a_window_outside_the_captured_range_is_refused_naming_it():
 
 def test_bad_settings_are_refused_before_any_work():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got cpu"):
-        CudaEngine(speculator(), device="cpu", **WINDOWS)
+        CudaEngine(speculator(), device="cpu", exact=False, **WINDOWS)
     with pytest.raises(ValueError, match="dtype must be one of .*got 'float16'"):
-        CudaEngine(speculator(), device="cpu", dtype="float16", graphs=False, **WINDOWS)
+        CudaEngine(speculator(), device="cpu", dtype="float16", graphs=False, exact=False, **WINDOWS)
     with pytest.raises(ValueError, match="kernels take bfloat16 on CUDA"):
-        CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, kernels=True, **WINDOWS)
+        CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, kernels=True, exact=False, **WINDOWS)
     with pytest.raises(ValueError, match="max_m=17"):
-        CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, **{**WINDOWS, "max_m": 17})
+        CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, exact=False, **{**WINDOWS, "max_m": 17})
 
 
 @cuda
@@ -155,7 +155,7 @@ def test_graph_replays_are_lossless_at_every_chain(kernels, exact):
 
 @cuda
 def test_graph_rounds_seed_each_round_from_the_accepted_row():
-    engine = CudaEngine(cyclic_speculator(), device="cuda", **WINDOWS)
+    engine = CudaEngine(cyclic_speculator(), device="cuda", exact=False, **WINDOWS)
     for prompt in prompts(3, seed=5):
         base = generate(engine, prompt, chain=0, max_new_tokens=33)
         for k in range(1, WINDOWS["max_m"]):
@@ -166,7 +166,7 @@ def test_graph_rounds_seed_each_round_from_the_accepted_row():
 @cuda
 def test_graph_replays_in_float32_equal_the_eager_module():
     eager = EagerEngine(speculator(9), device="cuda", **WINDOWS)
-    mine = CudaEngine(speculator(9), device="cuda", dtype="float32", **WINDOWS)
+    mine = CudaEngine(speculator(9), device="cuda", dtype="float32", exact=False, **WINDOWS)
     for prompt in prompts(3, seed=13):
         for k in (0, 3):
             a = generate(eager, prompt, chain=k, max_new_tokens=48)
@@ -174,7 +174,8 @@ def test_graph_replays_in_float32_equal_the_eager_module():
             assert b.output_ids == a.output_ids and b.accepted == a.accepted
 
 
-@pytest.mark.parametrize("quant, export_quant", [("none", "int4"), ("int4", "int4_draft"), ("int4_g128", "none")])
+@pytest.mark.parametrize("quant, export_quant", [("bf16", "8da4w_offsets"), ("w4_g32", "8da4w_draft"),
+                                                         ("w4_g128", "fp32")])
 def test_the_cuda_engine_is_built_from_the_engine_group_alone(monkeypatch, quant, export_quant):
     """The eval stage's engine (pipeline.artifacts.load_engine) is the engine group's: its weights are
     engine.quant's, never export.quant's, and its windows are engine.*'s, never export.*'s."""
@@ -198,34 +199,37 @@ def test_the_cuda_engine_is_built_from_the_engine_group_alone(monkeypatch, quant
     upstream = {"target": SimpleNamespace(path="target"), "draft": SimpleNamespace(path="draft")}
     assert artifacts.engine_upstream(cfg) == ("target", "draft")
     assert artifacts.load_engine(cfg, upstream) == "engine"
-    assert seen["kernels"] == (quant != "none") and seen.get("group") == {"none": None, "int4": 32,
-                                                                           "int4_g128": 128}[quant]
+    assert seen["kernels"] == (quant != "bf16") and seen.get("group") == {"bf16": None, "w4_g32": 32,
+                                                                           "w4_g128": 128}[quant]
     assert (seen["max_m"], seen["default_chain"], seen["max_prefill_chunk"], seen["min_prefill_chunk"]) == (6, 5, 64, 7)
     assert seen["exact"] is True and seen["device"] == "cuda"
 
 
 def test_an_unknown_cuda_quant_is_refused_before_any_weights_are_read(tmp_path):
-    with pytest.raises(ValueError, match=r"engine.quant='int8': expected one of none, int4, int4_g128"):
-        build_engine({"kind": "cuda", "quant": "int8", **WINDOWS}, target=tmp_path / "absent",
+    with pytest.raises(ValueError, match=r"engine.quant='int8': expected one of bf16, w4_g32, w4_g128"):
+        build_engine({"kind": "cuda", "quant": "int8", "device": "cuda", "compile": "none", "exact": False,
+                      "max_seq_len": 128, **WINDOWS},
+                     target=tmp_path / "absent",
                      draft=tmp_path / "absent")
 
 
-def test_compiled_calls_give_the_plain_engines_tokens_at_every_chain():
+def test_compiled_calls_give_the_uncompiled_engines_tokens_at_every_chain():
     """`compile` puts each captured width through torch.compile (the aot_eager backend here: inductor's C++
     build would take minutes of CI; its GPU run is in docs/results.md): the compiled calls are the ones the
-    loop runs (dynamo saw graphs), every K gives the plain engine's tokens, and the 2 * max_m widths of
+    loop runs (dynamo saw graphs), every K gives the uncompiled engine's tokens, and the 2 * max_m widths of
     every K compile a handful of graphs (automatic dynamic shapes), not one per width."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    plain = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, **WINDOWS)
-    mine = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, compile="aot_eager", **WINDOWS)
+    uncompiled = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, exact=False, **WINDOWS)
+    mine = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, compile="aot_eager", exact=False,
+                      **WINDOWS)
     for prompt in prompts(2, seed=11):
         for k in range(WINDOWS["max_m"]):
             assert generate(mine, prompt, chain=k, max_new_tokens=20).output_ids == \
-                generate(plain, prompt, chain=k, max_new_tokens=20).output_ids
+                generate(uncompiled, prompt, chain=k, max_new_tokens=20).output_ids
     assert 0 < counters["stats"]["unique_graphs"] <= 6 < 2 * WINDOWS["max_m"]
     with pytest.raises(ValueError, match="compile='inductor' takes the dense engine"):
         CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, kernels=True, compile="inductor",
-                   **WINDOWS)
+                   exact=False, **WINDOWS)

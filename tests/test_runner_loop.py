@@ -354,8 +354,8 @@ def test_rejection_sampling_matches_the_target_distribution():
     temperature = 0.8
     p = torch.softmax(target_table.double() / temperature, -1)
     prompt = [1, 4]
-    # exact law of (t1, t2) after the bonus b: sum_b p(b | 4) p(t1 | b) p(t2 | t1)
-    exact = torch.einsum("b,bi,ij->ij", p[4], p, p)
+    # the law of (t1, t2) after the bonus b: sum_b p(b | 4) p(t1 | b) p(t2 | t1)
+    law = torch.einsum("b,bi,ij->ij", p[4], p, p)
     n = 3000
     counts = torch.zeros(n_vocab, n_vocab, dtype=torch.float64)
     eng = ToyEngine(vocab=n_vocab, max_m=3, min_prefill=2, target_table=target_table,
@@ -365,7 +365,7 @@ def test_rejection_sampling_matches_the_target_distribution():
         res = generate(eng, prompt, chain=2, max_new_tokens=4, temperature=temperature, seed=seed)
         counts[res.output_ids[1], res.output_ids[2]] += 1
         rejected += res.accepted[0] < res.chain_per_round[0]
-    tv = 0.5 * (counts / n - exact).abs().sum().item()
+    tv = 0.5 * (counts / n - law).abs().sum().item()
     assert tv < 0.06, tv
     assert 0 < rejected < n  # both paths (accept, resample from the residual) were exercised
     # the same seed gives the same sample

@@ -180,9 +180,9 @@ def test_the_command_line_runner_prints_text_tau_and_timings(tiny_pte, tmp_path,
     with pytest.raises(ValueError, match=r"outside the valid range \[1, 5\]"):
         main([*args, "--prompt", "w5", "--chain", "6"])
     main([*args, "--prompt", "w5 w6", "--chain", "0"])
-    plain = capsys.readouterr().out.split("\n")[0]
+    baseline = capsys.readouterr().out.split("\n")[0]
     assert main([*args, "--prompt", "w5 w6", "--chain", "2", "--exact-width", "3"]) == 0
-    assert capsys.readouterr().out.split("\n")[0] == plain  # fp32: exact and plain give the same greedy text
+    assert capsys.readouterr().out.split("\n")[0] == baseline  # fp32: exact mode gives the T = 1 decode's text
     with pytest.raises(ValueError, match=r"outside the valid range \[1, 2\]"):
         main([*args, "--prompt", "w5", "--chain", "3", "--exact-width", "3"])
     # a prompt and its answer share the cache: refused before any prompt decodes, naming both numbers

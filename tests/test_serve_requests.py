@@ -209,3 +209,45 @@ def test_a_broken_chat_template_is_refused_at_start_up(bpe):
         with pytest.raises(ValueError, match=says):
             check_chat_template(encoder(bpe, template))
     check_chat_template(encoder(bpe, CHATML))
+
+
+@pytest.mark.parametrize("header, key, refused", [
+    ("", None, False), ("Bearer s3cret", "s3cret", False), ("bearer  s3cret ", "s3cret", False),
+    ("", "s3cret", True), ("Bearer wrong", "s3cret", True), ("Basic s3cret", "s3cret", True),
+])
+def test_the_api_key_is_read_from_the_authorization_header_alone(header, key, refused):
+    from runner.requests import RequestError, check_api_key
+
+    if not refused:
+        check_api_key(header, key)
+        return
+    with pytest.raises(RequestError) as e:
+        check_api_key(header, key)
+    assert e.value.status == 401 and "Authorization: Bearer <key>" in str(e.value)
+
+
+def test_a_declared_body_past_the_limit_is_refused_before_it_is_read():
+    from runner.requests import RequestError, check_body_length
+
+    check_body_length("", 10)
+    check_body_length("10", 10)
+    with pytest.raises(RequestError) as e:
+        check_body_length("11", 10)
+    assert e.value.status == 413 and e.value.headers == {"Connection": "close"}
+
+
+def test_ids_given_are_checked_as_they_are_and_text_is_tokenized(bpe):
+    """prompt_and_budget over the request type: a prompt of ids is not tokenized (and so runs on the event loop),
+    a text prompt is, and both come back with the budget the cache leaves."""
+    from runner.requests import RequestError, encoder, parse_request, prompt_and_budget, tokenizes
+
+    enc = encoder(bpe)
+    ids = parse_request({"model": "m", "prompt": [5, 6, 7], "max_tokens": 4}, chat=False, limits=limits(16))
+    assert not tokenizes(ids) and prompt_and_budget(enc, ids, limits(16)) == ([5, 6, 7], 4)
+    text = parse_request({"model": "m", "prompt": "def f(x):"}, chat=False, limits=limits(64))
+    got, budget = prompt_and_budget(enc, text, limits(64))
+    assert tokenizes(text) and got == bpe.encode("def f(x):", add_special_tokens=False).ids
+    assert budget == 64 - len(got)
+    with pytest.raises(RequestError, match="exceed this model's max_seq_len=16"):
+        prompt_and_budget(enc, parse_request({"model": "m", "prompt": [5] * 14, "max_tokens": 4}, chat=False,
+                                             limits=limits(16)), limits(16))

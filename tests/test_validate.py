@@ -34,12 +34,12 @@ def test_the_default_and_smoke_configs_pass():
     ("runtime.n_prompts=0", "runtime.n_prompts=0"),
     ("runtime.policy=greedy", "runtime.policy='greedy': one of static, adaptive"),
     ("engine.kind=gpu", "engine.kind='gpu': one of pte, eager, cuda"),
-    ("engine=cuda engine.quant=int8", "engine.quant='int8': one of none, int4, int4_g128"),
+    ("engine=cuda engine.quant=int8", "engine.quant='int8': one of bf16, w4_g32, w4_g128"),
     ("engine=cuda engine.compile=max", "engine.compile='max': one of none, inductor"),
-    ("engine=cuda engine.compile=inductor engine.quant=int4",
-     "engine.compile='inductor': none with engine.quant=int4"),
-    ("engine=cuda engine.compile=inductor engine.quant=int4_g128",
-     "engine.compile='inductor': none with engine.quant=int4_g128"),
+    ("engine=cuda engine.compile=inductor engine.quant=w4_g32",
+     "engine.compile='inductor': none with engine.quant=w4_g32"),
+    ("engine=cuda engine.compile=inductor engine.quant=w4_g128",
+     "engine.compile='inductor': none with engine.quant=w4_g128"),
     ("engine=cuda engine.device=cpu", "engine.device='cpu': a CUDA device: cuda or cuda:N"),
     ("engine=cuda engine.max_m=17", "engine.max_m=17: an int in [2, 16]"),
     ("engine=cuda engine.max_m=4 engine.default_chain=4", "engine.default_chain=4: an int in [1, 3]"),
@@ -54,7 +54,8 @@ def test_the_default_and_smoke_configs_pass():
     ("export.max_m=1", "export.max_m=1: an int in [2, inf]"),
     ("export.max_m=17 export.max_prefill_chunk=32", "export.max_m=17: the small-M kernels take at most 16 rows"),
     ("export.default_chain=8", "export.default_chain=8: the default K must lie in [1, max_m-1] = [1, 7]"),
-    ("export.backend=cuda", "export.backend='cuda'"),
+    ("export.backend=cuda", "export.backend='cuda': one of portable, xnnpack"),
+    ("export.quant=int8", "export.quant='int8': one of fp32, 8da4w_draft, 8da4w_offsets"),
     ("export.min_prefill_chunk=4", "straddles the dispatch threshold max_m=8"),
     ("target=hf", "target.path='???'"),
     ("target=hf target.path=/no/such/dir", "target.path='/no/such/dir': an existing directory"),
@@ -80,6 +81,20 @@ def test_each_bad_value_is_refused_naming_the_key_and_the_value(override, named)
     assert named in str(e.value)
 
 
+@pytest.mark.parametrize("override, new", [
+    ("export.quant=none", "fp32"), ("export.quant=int4_draft", "8da4w_draft"), ("export.quant=int4", "8da4w_offsets"),
+    ("engine=cuda engine.quant=none", "bf16"), ("engine=cuda engine.quant=int4", "w4_g32"),
+    ("engine=cuda engine.quant=int4_g128", "w4_g128"),
+])
+def test_an_old_scheme_name_is_refused_naming_the_new_one(override, new):
+    """A retired scheme name (models.choices.RENAMED) is never read as whatever it might mean now: `none` means
+    only off, and `int4` named four schemes."""
+    key, old = override.split()[-1].split("=")
+    with pytest.raises(ConfigError) as e:
+        check_config(compose_cfg(*override.split()))
+    assert f"{key}={old!r}: renamed {new} (one of " in str(e.value)
+
+
 def test_the_cuda_engine_without_a_cuda_device_is_refused_before_any_stage():
     import torch
 
@@ -100,7 +115,7 @@ def test_an_option_of_another_engine_is_refused():
     from hydra.errors import ConfigCompositionException
 
     with pytest.raises(ConfigCompositionException, match="Could not override 'engine.quant'"):
-        compose_cfg("engine.quant=int4")  # engine=pte has no weights of its own: export.quant is the .pte's
+        compose_cfg("engine.quant=w4_g32")  # engine=pte has no weights of its own: export.quant is the .pte's
 
 
 def test_every_problem_is_listed_at_once():

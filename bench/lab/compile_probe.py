@@ -4,7 +4,7 @@ Gemma 3 270M's real layers with random weights (bench.cuda_engine.gemma3_layers)
 graphs, kernels off) as it is and with `compile="inductor"` (engine.compile: the captured calls through
 torch.compile before capture, inductor's fused kernels inside our own graphs). Beside them,
 transformers' Gemma3ForCausalLM on the same config with the static cache generate() compiles. Reports load time
-(compilation and capture), tokens/s at K = 0 and K = 3 and whether the compiled engine's ids equal the plain
+(compilation and capture), tokens/s at K = 0 and K = 3 and whether the compiled engine's ids equal the uncompiled
 engine's.
 
     python3 -m bench.lab.compile_probe --out $OUT/compile_probe.json
@@ -40,10 +40,11 @@ def main() -> None:
             json.dump(out, f, indent=1)
 
     ref = None
-    for mode in ("plain", "compiled"):
+    for mode in ("uncompiled", "compiled"):
         spec = random_speculator(SHAPES["gemma3_270m_layers"], max_seq_len=args.context + NEW_TOKENS + 2 * args.max_m)
         t = time.perf_counter()
-        engine = CudaEngine(spec, device="cuda", compile="inductor" if mode == "compiled" else "none", **windows)
+        engine = CudaEngine(spec, device="cuda", compile="inductor" if mode == "compiled" else "none", exact=False,
+                            **windows)
         row = out["engine"][mode] = {"load_s": time.perf_counter() - t}
         print(f"{mode}: load {row['load_s']:.1f} s", flush=True)
         for k in map(int, args.chains.split(",")):
@@ -51,9 +52,9 @@ def main() -> None:
             row[k] = {key: r[key] for key in ("tokens_per_s", "decode_tokens_per_s", "tau")}
             if ref is None:
                 ref = r["outputs"]
-            row[k]["equal_to_plain_k0"] = r["outputs"] == ref
+            row[k]["equal_to_uncompiled_k0"] = r["outputs"] == ref
             print(f"{mode} K={k}: {r['tokens_per_s']:.0f} tokens/s, decode {r['decode_tokens_per_s']:.0f}, "
-                  f"equal {row[k]['equal_to_plain_k0']}", flush=True)
+                  f"equal {row[k]['equal_to_uncompiled_k0']}", flush=True)
             save()
         del engine, spec
         torch.cuda.empty_cache()

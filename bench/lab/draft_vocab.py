@@ -18,7 +18,7 @@ config's `draft.draft_vocab_size`. Three parts; the JSON says which numbers are 
    share of the held-out split's counted argmax tokens inside the same map: the honest one (a token outside
    the map can never be proposed, so it caps the acceptance the eval's held-out prompts can see).
 2. Step cost (measured). For each Vd one .pte is exported (pipeline.export_pte.export_pte, the config's
-   export.* choices: xnnpack, quant int4_draft = the draft 8da4w and the target fp32, max_m, prefill range) of a
+   export.* choices: xnnpack, quant 8da4w_draft = the draft 8da4w and the target fp32, max_m, prefill range) of a
    RANDOM speculator with the target's real shapes (hidden size, heads, head_dim, intermediate size, vocab,
    RoPE, max_seq_len, from the target artifact's config.json) and the draft config's choices, but a 2-layer
    target (the fewest layers that hold three distinct tap layers), which keeps each export short. The draft
@@ -444,7 +444,7 @@ def main(argv=None) -> int:
 
     # 2. costs
     ec = cfg.export
-    export_args = dict(windows(ec), backend=str(ec.backend), quant=str(ec.get("quant", "none")),
+    export_args = dict(windows(ec), backend=str(ec.backend), quant=str(ec.quant),
                        group_size=int(ec.get("group_size", 32)))
     draft_overrides = {"norm_before_residual": bool(cfg.draft.get("norm_before_residual", False))}
     if cfg.draft.get("intermediate_size"):

@@ -4,17 +4,17 @@
 
 The scheme it weighs, "the .pte's int4", is symmetric 8da4w: int8 dynamic per-token activations and int4 weights
 in symmetric groups of 32 (the only blockwise 4-bit layout XNNPACK runs), every linear the lm_head included; what
-the draft keeps and what the target had before its groups carried offsets (export_pte.GroupOffsetLinear, which
+the draft keeps and what the target had before its groups carried offsets (models.quantize.GroupOffsetLinear, which
 this investigation led to). This loads a target artifact,
 quantises copies of it several ways and gives each one's mean next-token loss (nats) over held-out corpus windows
 beside the fp32 target's: the scheme the .pte uses, the same without the activation rounding, the same with an
 fp32 lm_head, and asymmetric weight groups (what a Q4_1 GGUF stores: w = d*q + m per block of 32). A target
 dequantised from a 4-bit GGUF is rounded a second time by any scheme that does not match the file's.
 
-Also the CUDA engine's INT4 weights (`engine.quant=int4`: kernels.int4_gemm.quantize_int4, asymmetric
+Also the CUDA engine's INT4 weights (`engine.quant=w4_*`: models.quantize.quantize_w4, asymmetric
 groups of 128, or 32 where 128 does not divide the width, every linear the lm_head included), dequantised back
 into the fp32 model: the weights' share of the loss (the kernels' bf16 activations are not modelled), with the
-zero as quantize_int4 chooses it, every zero an integer code in 0..15 as it was before, every zero a bf16 number,
+zero as quantize_w4 chooses it, every zero an integer code in 0..15 as it was before, every zero a bf16 number,
 and at group 32 with and without the lm_head (a GGUF's 4-bit blocks are 32 wide; its token table is often wider
 than 4 bits).
 """
@@ -63,12 +63,12 @@ def main(argv=None) -> int:
             Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=group,
                                                   weight_mapping_type=MappingType.ASYMMETRIC), True),
     }
-    from kernels.int4_gemm import dequantize_int4, quantize_int4
+    from models.quantize import dequantize_w4, quantize_w4
 
     def cuda_int4(model, zero: str = "engine", group: int = 128, head: bool = True):
         """The kernels' weights: groups of `group` (32 where it does not divide the width), the lm_head too
         unless `head` is False; the embedding stays as it is (a tied one is untied from the head). `zero`:
-        quantize_int4's own ("engine"), or every group's zero rounded to a code ("code") or kept as a bf16
+        quantize_w4's own ("engine"), or every group's zero rounded to a code ("code") or kept as a bf16
         number ("fraction")."""
         if target.cfg.tie_embeddings:
             model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                 g = group if m.in_features % group == 0 else 32
                 w = m.weight.data
                 if zero == "engine":
-                    m.weight.data = dequantize_int4(*quantize_int4(w, g), g, torch.float32)
+                    m.weight.data = dequantize_w4(*quantize_w4(w, g), g, torch.float32)
                     continue
                 wg = w.reshape(w.shape[0], -1, g)
                 lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)

@@ -16,6 +16,7 @@ import torch
 
 import kernels.int4_gemm as G
 from kernels.int4_gemm import tinygemm_mm, to_tinygemm
+from models.quantize import quantize_w4
 
 SHAPES = [(8192, 28672, 1), (8192, 28672, 8), (4096, 4096, 1)]
 
@@ -23,7 +24,7 @@ SHAPES = [(8192, 28672, 1), (8192, 28672, 8), (4096, 4096, 1)]
 def main(shapes=SHAPES):
     torch.manual_seed(0)
     for K, N, M in shapes:
-        packed, scale_zero = G.quantize_int4(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), 128)
+        packed, scale_zero = quantize_w4(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), 128)
         w, sz = to_tinygemm(packed, scale_zero, 128)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):

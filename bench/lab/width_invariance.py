@@ -1,6 +1,6 @@
 """Does a row's result depend on the width of the call that computes it? SmolLM2's first N layers, fp32 and 8da4w.
 
-    python -m bench.lab.width_invariance --layers 4,12,30 --quants none,int4 --out bench/results/cpu-width-invariance.json
+    python -m bench.lab.width_invariance --layers 4,12,30 --quants fp32,8da4w_offsets --out bench/results/cpu-width-invariance.json
 
 Speculation is lossless only if the target gives a position the same logits whether it runs in `prefill`
 (T = 64), in `target_verify` (T = 8) or in `target_decode` (T = 1). For each (layers, quant) this exports a
@@ -88,7 +88,7 @@ def compare(rows: dict[str, torch.Tensor]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", default="4,12,30")
-    ap.add_argument("--quants", default="none,int4")
+    ap.add_argument("--quants", default="fp32,8da4w_offsets")
     ap.add_argument("--cache", type=Path, default=ROOT / "outputs/bench/width_invariance")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     from models import quiet  # first: its filters are installed before torchao is imported
 
     from models.gguf import package_gguf, read_gguf
-    from pipeline.export_pte import export_pte, quantize
+    from models.quantize import quantize
+    from pipeline.export_pte import export_pte
     from runner.engine import PteEngine
 
     torch.set_num_threads(1)
@@ -118,8 +119,8 @@ def main(argv=None) -> int:
                 export_pte(copy.deepcopy(spec), max_m=8, default_chain=4, max_prefill_chunk=128,
                            min_prefill_chunk=9, quant=quant, out_path=path, manifest_hash="0" * 64, progress=True)
                 print(f"exported {path.name} in {time.perf_counter() - t0:.0f} s", flush=True)
-            if quant == "int4":
-                quantize(spec, "int4", 32)
+            if quant == "8da4w_offsets":
+                quantize(spec, quant, 32)
             with quiet.native_stderr():
                 pte = PteEngine(path, verified=True)
                 row = {"layers": n, "quant": quant, "pte": compare(three_ways(pte, ids, lambda: None)),

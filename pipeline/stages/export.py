@@ -38,9 +38,10 @@ from pipeline.store import building, hash_tree, scratch_dir
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 8  # 2: get_sliding_window is a required constant method; 3: the llama_ops / fc-norm graph;
+SCHEMA_VERSION = 9  # 2: get_sliding_window is a required constant method; 3: the llama_ops / fc-norm graph;
 # 4: target_verify_exact (exact mode); 5: an int4 target's groups carry offsets; 7: the exact call attends
-# through eagle3::exact_sdpa (6 was a matmul attention, tried and dropped); 8: draft_chain_<k>
+# through eagle3::exact_sdpa (6 was a matmul attention, tried and dropped); 8: draft_chain_<k>; 9: export.quant's
+# schemes named for what they are (get_quant and the report say fp32, 8da4w_draft, 8da4w_offsets)
 UPSTREAM = ("target", "draft")
 CONFIG_KEYS = ("export",)
 
@@ -57,7 +58,7 @@ def estimate_bytes(cfg: DictConfig, upstream: dict) -> int:
 def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     ec = cfg.export
     target_art, draft_art = upstream["target"], upstream["draft"]
-    args = dict(windows(ec), backend=str(ec.backend), quant=str(ec.get("quant", "none")),
+    args = dict(windows(ec), backend=str(ec.backend), quant=str(ec.quant),
                 group_size=int(ec.get("group_size", 32)), draft_chains=ec.get("draft_chains", True))
     max_m, max_seq_len = args["max_m"], int(ec.max_seq_len)
     check_export_args(max_seq_len=max_seq_len, **args)
