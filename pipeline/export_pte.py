@@ -464,6 +464,15 @@ def _lowering_cost(name: str) -> int:
 _fork_work = None  # lower_in_forks' function: set before the fork, so the workers inherit it and nothing is pickled
 
 
+def _fork_init() -> None:
+    """A lowering worker: torch at one thread (lowering is Python), and no warnings of its own: the parent has
+    already shown any that matter, and a worker's third-party deprecation notices would print once per worker."""
+    import warnings
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+
+
 def _in_fork(name: str):
     _, took = _fork_work(name)
     return took
@@ -482,7 +491,7 @@ def lower_in_forks(lower, names: list[str], workers: int):
     try:
         with warnings.catch_warnings():  # "use of fork() may lead to deadlocks": the workers start no threads
             warnings.simplefilter("ignore", DeprecationWarning)
-            pool = multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,))
+            pool = multiprocessing.get_context("fork").Pool(workers, initializer=_fork_init)
         with pool:
             yield from pool.imap_unordered(_in_fork, names)
     finally:
