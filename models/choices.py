@@ -26,7 +26,7 @@ ENGINES = ("pte", "eager", "cuda")
 
 POLICIES = ("static", "adaptive")
 
-# On both real targets (docs/results.md, "GPU: the real targets") `w4_g32` keeps the GGUF's 4-bit blocks and the
+# On both real targets (docs/results.md, "GPU: the real presets against transformers and llama.cpp") `w4_g32` keeps the GGUF's 4-bit blocks and the
 # lm_head in bf16, within 0.002 (SmolLM2's Q4_1) and 0.15 nats (Gemma 3's Q4_K_M, part 6-bit) of the file;
 # `w4_g128` quantises the lm_head too: a faster K = 0 (by 12-18%), 0.13-0.85 nats from the file.
 CUDA_QUANTS = {"bf16": None, "w4_g32": {"group": 32, "dense": ("lm_head",)}, "w4_g128": {"group": 128, "dense": ()}}

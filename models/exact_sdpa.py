@@ -4,7 +4,7 @@ Row t attends the keys of its KV head from max(0, pos[t] - window + 1) (window 0
 after another in index order, so a position gives the same bits in a decode, in any verify window and in a
 prefill, which is what the .pte's exact mode needs (docs/design.md §4), and the call costs its context, not the
 cache: llama::custom_sdpa gives call-independent rows only under a mask over every cache slot, which cost
-SmolLM2's exact call 9.1 of its 24.6 ms (docs/results.md, "CPU: against peers").
+SmolLM2's exact call 9.1 of its 24.6 ms (docs/design.md §4).
 
 Two halves, one definition: the op for torch (a PyTorch reference for eager runs and export, a fake for
 tracing) and its ExecuTorch kernel (exact_sdpa.cpp), compiled on first use by native.compiler and registered with
