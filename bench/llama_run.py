@@ -1,5 +1,5 @@
 """llama.cpp through llama-cpp-python, in a process that need not import torch: loading a GGUF, timed greedy
-generation (plain, or with its prompt-lookup drafting), and the held-out loss and agreement of every row's
+generation (without drafting, or with its prompt-lookup drafting), and the held-out loss and agreement of every row's
 logits. bench.peers times these on the CPU beside our .pte; bench.cuda_engine's `real` mode runs them in a
 child process (`python -m bench.llama_run < job.json`), because llama.cpp's CUDA build and torch's CUDA wheels
 do not share one: with torch 2.11 imported, its first decode aborts (`free(): invalid pointer`; one H200,

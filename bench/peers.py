@@ -17,7 +17,7 @@ Systems (every one decodes the same prompt ids for the same number of new tokens
   decoding with `prompt_lookup_num_tokens=k`; assisted generation with a copy of the target truncated to its
   first layers (`--assistant-layers`, default max(2, L // 8)) as `assistant_model`.
 - `llama.cpp <gguf>` / `llama.cpp <gguf> pld k`: llama-cpp-python's `Llama.generate` over the token ids,
-  temperature 0 (greedy sampler), plain and with `LlamaPromptLookupDecoding(num_pred_tokens=k)` as
+  temperature 0 (greedy sampler), without drafting and with `LlamaPromptLookupDecoding(num_pred_tokens=k)` as
   `draft_model`. GGUFs: for our embedded target the f32 file of the very weights the fp32 .pte holds (and a
   q4_0 one, matching the int4 .pte's bit width); for a preset its original file (SmolLM2's Q4_1, Gemma 3's
   Q4_K_M) and, for the Llama architecture, an f32 file of it dequantised (the weights the fp32 .pte holds).
@@ -188,7 +188,7 @@ def llama_available() -> str | None:
 
 
 def llama_systems(path: Path, label: str, threads: int, n_ctx: int, extra_bufts: bool = False) -> list[System]:
-    """llama.cpp on `path`, plain and with prompt lookup (k in PLD_K), through bench.llama_run."""
+    """llama.cpp on `path`, without drafting and with prompt lookup (k in PLD_K), through bench.llama_run."""
     nbytes = gguf_weight_bytes(path)
 
     def runner(llm):
@@ -407,7 +407,7 @@ def bench_target(target: str, args, exports: list[dict], skipped: list[str]) -> 
     per_token = {}
     for r in rows:
         per_token[r["system"]] = round(1e3 / r["tokens_per_s_median"], 3)
-    llama_internal = {}  # plain rows: every decode is one token, timed inside llama.cpp
+    llama_internal = {}  # rows without drafting: every decode is one token, timed inside llama.cpp
     for s in systems:
         if s.family == "llama.cpp" and "pld" not in s.name:
             inside = statistics.median(r.extra["eval_ms"] / max(r.extra["n_eval"], 1) for _, _, r in s.runs)

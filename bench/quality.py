@@ -85,7 +85,7 @@ def quality(target_model, engines: dict, ggufs: dict[str, Path], rows: list[dict
         if "fp32_loss" in out:
             entry["loss_vs_fp32"] = round(loss - out["fp32_loss"], 4)
         out["systems"][name] = entry
-    for r in rows:  # the one-token decoders: our K=0 rows (plain and exact) and llama.cpp's plain rows
+    for r in rows:  # the one-token decoders: our K=0 rows (T = 1 and exact) and llama.cpp's rows without drafting
         if (r["family"] == "ours" and r["chain"] == 0 and r["quant"] not in FP32_TARGET) or \
                 (r["family"] == "llama.cpp" and "pld" not in r["system"]):
             name = r["system"].removesuffix(" K=0")
