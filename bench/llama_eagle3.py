@@ -315,6 +315,20 @@ def llama_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
 
 
+def run_parsed(args: list[str], parse, tries: int = 5) -> tuple[dict, int]:
+    """(parse(stdout, stderr), retries) of a tool run that printed all it prints. The tools log through
+    common/log.cpp's worker thread, whose logger is leaked at exit on purpose ("logs may be lost if not flushed
+    before the program exits", common_log_main): now and then a run's last pieces and its closing newlines never
+    reach stdout. Such a run fails to parse and is run again (its decode is the same; only the exit races)."""
+    for attempt in range(tries):
+        try:
+            return parse(*run_tool(args)), attempt
+        except ParseError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def run_tool(args: list[str], timeout: float = 300) -> tuple[bytes, str]:
     done = subprocess.run(args, capture_output=True, timeout=timeout, env=llama_env(), stdin=subprocess.DEVNULL)
     stderr = done.stderr.decode("utf-8", errors="replace")
@@ -414,6 +428,7 @@ def summarise(passes: dict, chains: list[int]) -> list[dict]:
                                             for i in range(len(recs))),
                 "lossless_vs_own_k0": ([first_difference(z, r) is None for r, z in zip(recs, first[side][0])]
                                        if k and 0 in first[side] else None),
+                "reruns": sum(r.get("reruns", 0) for p in side_passes for r in p[k]),
             }
         ours, llama = first["ours"][k], first["llama"][k]
         row["text_first_difference"] = [first_difference(o, l_) for o, l_ in zip(ours, llama)]
@@ -533,18 +548,17 @@ def llama_pass(tools: dict, files: dict, prompt_files: list[Path], chains: list[
         for pf in prompt_files:
             prompt = pf.read_bytes()[:-1]
             if k == 0:
-                stdout, stderr = run_tool(completion_args(tools["llama-completion"], files["target_gguf"], pf,
-                                                          threads, new_tokens, ctx))
-                r = parse_completion(stdout, stderr, eos_text)
+                r, again = run_parsed(completion_args(tools["llama-completion"], files["target_gguf"], pf, threads,
+                                                      new_tokens, ctx), lambda o, e: parse_completion(o, e, eos_text))
                 recs.append({"tokens": r["n_eval"], "seconds": r["eval_ms"] / 1e3, "text": r["text"],
-                             "drafted": 0, "accepted": 0, "rounds": None, "eos": r["eos"]})
+                             "drafted": 0, "accepted": 0, "rounds": None, "eos": r["eos"], "reruns": again})
             else:
-                stdout, stderr = run_tool(spec_simple_args(tools["llama-speculative-simple"], files["target_gguf"],
-                                                           files["draft_gguf"], pf, k, threads, new_tokens, ctx))
-                r = parse_spec_simple(stdout, stderr, prompt)
+                r, again = run_parsed(spec_simple_args(tools["llama-speculative-simple"], files["target_gguf"],
+                                                       files["draft_gguf"], pf, k, threads, new_tokens, ctx),
+                                      lambda o, e: parse_spec_simple(o, e, prompt))
                 recs.append({"tokens": r["n_predict"], "seconds": r["decode_s"], "text": r["text"],
                              "drafted": r["n_drafted"], "accepted": r["n_accept"], "rounds": r["rounds"],
-                             "eos": r["n_predict"] < new_tokens})
+                             "eos": r["n_predict"] < new_tokens, "reruns": again})
             bar.update()
         out[k] = recs
     return out

@@ -122,6 +122,25 @@ def test_the_tokenize_output_gives_the_ids():
         le.parse_tokenize("nothing\n")
 
 
+def test_a_run_whose_output_was_cut_at_exit_runs_again(tmp_path):
+    """The tools' logger may lose its last lines at exit: such a run fails to parse and is repeated."""
+    import sys
+
+    count = tmp_path / "n"
+    script = (f"import pathlib, sys; p = pathlib.Path({str(count)!r}); n = int(p.read_text()) if p.exists() else 0; "
+              "p.write_text(str(n + 1)); sys.stdout.write('whole\\n\\n' if n >= 2 else 'who')")
+
+    def parse(stdout, stderr):
+        if not stdout.endswith(b"\n\n"):
+            raise le.ParseError("cut")
+        return stdout
+
+    assert le.run_parsed([sys.executable, "-c", script], parse) == (b"whole\n\n", 2)
+    count.unlink()
+    with pytest.raises(le.ParseError):
+        le.run_parsed([sys.executable, "-c", script], parse, tries=2)
+
+
 # --- bytes, the pre-tokenizer, the HF directory ------------------------------------------------------------
 def test_token_bytes_are_the_text_the_ids_stand_for_control_tokens_as_their_text():
     tok = tokenizer()
