@@ -222,12 +222,13 @@ def _tail(text: str, n: int = 12) -> str:
 
 def spec_simple_args(binary, target, draft, prompt_file, k: int, threads: int, new_tokens: int, ctx: int) -> list[str]:
     """llama-speculative-simple, EAGLE-3 at K = k, greedy. It generates n_predict + 1 tokens (its loop ends once
-    more than -n were emitted, its drafts cut to what is left), so -n is the budget less one."""
+    more than -n were emitted, its drafts cut to what is left), so -n is the budget less one. Log verbosity 4
+    (trace, not debug: nothing more inside the loop) prints its draft statistics at the end."""
     t = str(threads)
     return [str(binary), "-m", str(target), "-md", str(draft), "--spec-type", "draft-eagle3",
             "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
             "-f", str(prompt_file), "--no-escape", "-n", str(new_tokens - 1), "-c", str(ctx),
-            "--temp", "0", "--top-k", "1", "-s", "0", "-t", t, "-tb", t, "-td", t, "-tbd", t]
+            "--temp", "0", "--top-k", "1", "-s", "0", "-t", t, "-tb", t, "-td", t, "-tbd", t, "-lv", "4"]
 
 
 def completion_args(binary, target, prompt_file, threads: int, new_tokens: int, ctx: int) -> list[str]:
@@ -273,10 +274,16 @@ def parse_spec_simple(stdout: bytes, stderr: str, prompt: bytes) -> dict:
     speed = _number(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s", stderr, "decode speed")
     n_predict = _number(r"n_predict\s*=\s*(\d+)", stderr, "n_predict", int)
     n_accept = _number(r"n_accept\s*=\s*(\d+)", stderr, "n_accept", int)
-    return {"text": stdout[len(head):-len(tail)], "n_predict": n_predict,
-            "n_drafted": _number(r"n_drafted\s*=\s*(\d+)", stderr, "n_drafted", int), "n_accept": n_accept,
-            "tokens_per_s": speed, "decode_s": n_predict / speed if speed > 0 else 0.0,
-            "rounds": n_predict - n_accept}
+    out = {"text": stdout[len(head):-len(tail)], "n_predict": n_predict,
+           "n_drafted": _number(r"n_drafted\s*=\s*(\d+)", stderr, "n_drafted", int), "n_accept": n_accept,
+           "tokens_per_s": speed, "decode_s": n_predict / speed if speed > 0 else 0.0,
+           "rounds": n_predict - n_accept, "draft_ms": None, "acceptance_per_position": None}
+    # its draft statistics (log verbosity >= 4): the time its draft() calls took, acceptance by position
+    if m := re.search(r"statistics\s+draft-eagle3:.*?dur\(b,g,a\)\s*=\s*[\d.]+,\s*([\d.]+),", stderr):
+        out["draft_ms"] = float(m.group(1))
+    if m := re.search(r"statistics\s+draft-eagle3:.*?#acc rate/pos\s*=\s*\(([^)]*)\)", stderr):
+        out["acceptance_per_position"] = [float(x) for x in m.group(1).split(",") if x.strip()]
+    return out
 
 
 END_OF_TEXT = b" [end of text]\n"
@@ -367,7 +374,8 @@ def ours_child(stdin, stdout) -> None:
             r = generate(engine, p, chain=k, max_new_tokens=n, stop_ids=stop)
             runs.append({"output_ids": r.output_ids, "decode_tokens": r.decode_tokens, "decode_ms": r.decode_ms,
                          "rounds": r.rounds, "drafted": r.drafted, "accepted": sum(r.accepted),
-                         "emitted": sum(r.emitted), "eos": r.stop_reason == "stop_token"})
+                         "emitted": sum(r.emitted), "eos": r.stop_reason == "stop_token", "draft_ms": r.draft_ms,
+                         "verify_ms": r.verify_ms})
         print(json.dumps({"chain": k, "runs": runs}), file=stdout, flush=True)
 
 
@@ -467,6 +475,12 @@ def summarise(passes: dict, chains: list[int]) -> list[dict]:
                 "lossless_vs_own_k0": ([first_difference(z, r) is None for r, z in zip(recs, first[side][0])]
                                        if k and 0 in first[side] else None),
                 "reruns": sum(r.get("reruns", 0) for p in side_passes for r in p[k]),
+                "round_ms": statistics.median(1e3 * sum(r["seconds"] for r in p[k]) / max(sum(r["rounds"] or 0 for r in p[k]), 1)
+                                              for p in side_passes) if k else None,
+                "draft_ms_per_round": (statistics.median(sum(r["draft_ms"] for r in p[k]) / max(sum(r["rounds"] or 0 for r in p[k]), 1)
+                                                         for p in side_passes)
+                                       if k and all(r.get("draft_ms") is not None for p in side_passes for r in p[k])
+                                       else None),
             }
         ours, llama = first["ours"][k], first["llama"][k]
         row["text_first_difference"] = [first_difference(o, l_) for o, l_ in zip(ours, llama)]
@@ -495,7 +509,8 @@ def table(result: dict) -> str:
             lines.append(f"   other processes used {load['other_processes_cores']} cores on average meanwhile "
                          f"({load['wall_s']:.0f} s)")
         head = (f"{'K':>2} {'ours tok/s':>18} {'llama.cpp tok/s':>18} {'ours/llama':>10} {'ours acc (tau)':>15} "
-                f"{'llama acc (tau)':>15} {'text = ours':>11} {'llama = own K=0':>15}")
+                f"{'llama acc (tau)':>15} {'ours ms/round':>13} {'llama ms/round':>14} {'text = ours':>11} "
+                f"{'llama = own K=0':>15}")
         lines += [head, "-" * len(head)]
         for r in rows:
             o, l_ = r["ours"], r["llama"]
@@ -508,11 +523,20 @@ def table(result: dict) -> str:
                     return "-"
                 return f"{s['acceptance']:.2f} ({s['tau']:.2f})" if s["tau"] else f"{s['acceptance']:.2f}"
 
+            def per_round(s):
+                if s.get("round_ms") is None:
+                    return "-"
+                draft = s.get("draft_ms_per_round")
+                return f"{s['round_ms']:.2f}" + (f" ({draft:.2f})" if draft is not None else "")
+
             ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
             own = l_["lossless_vs_own_k0"]
             lossless = "-" if own is None else f"{sum(own)}/{len(own)}"
             lines.append(f"{r['chain']:>2} {tok(o):>18} {tok(l_):>18} {ratio:>10} {acc(o):>15} {acc(l_):>15} "
-                         f"{sum(r['text_equal'])}/{len(r['text_equal']):<9} {lossless:>15}")
+                         f"{per_round(o):>13} {per_round(l_):>14} {sum(r['text_equal'])}/{len(r['text_equal']):<9} "
+                         f"{lossless:>15}")
+        lines.append("   ms/round: decode time per round (in brackets its draft's part: ours the draft_chain call, "
+                     "llama.cpp its draft() calls)")
         bo, bl = block["best"]["ours"], block["best"]["llama"]
         if bo and bl:
             lines.append(f"best: ours K={bo['chain']} {bo['tokens_per_s']:.0f} tok/s, llama.cpp EAGLE-3 K={bl['chain']} "
@@ -598,7 +622,7 @@ def llama_k(tools: dict, files: dict, prompt_files: list[Path], k: int, threads:
                                   lambda o, e: parse_spec_simple(o, e, prompt))
             recs.append({"tokens": r["n_predict"], "seconds": r["decode_s"], "text": r["text"],
                          "drafted": r["n_drafted"], "accepted": r["n_accept"], "rounds": r["rounds"],
-                         "eos": r["n_predict"] < new_tokens, "reruns": again})
+                         "eos": r["n_predict"] < new_tokens, "reruns": again, "draft_ms": r["draft_ms"]})
     return recs
 
 
@@ -606,7 +630,7 @@ def our_k(runs: list[dict], tokenizer, stop_ids) -> list[dict]:
     return [{"tokens": r["decode_tokens"], "seconds": r["decode_ms"] / 1e3,
              "text": token_bytes(tokenizer, strip_stop(r["output_ids"], stop_ids)),
              "drafted": r["drafted"], "accepted": r["accepted"], "rounds": r["rounds"],
-             "eos": r["eos"], "output_ids": r["output_ids"]} for r in runs]
+             "eos": r["eos"], "output_ids": r["output_ids"], "draft_ms": r["draft_ms"]} for r in runs]
 
 
 def run(args) -> dict:

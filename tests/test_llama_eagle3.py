@@ -40,7 +40,7 @@ def test_the_speculative_command_runs_eagle3_at_k_greedy_on_the_threads_with_the
     assert args[0] == "bin/llama-speculative-simple"
     for flag in ("-m t.gguf", "-md d.gguf", "--spec-type draft-eagle3", "--spec-draft-n-max 4",
                  "--spec-draft-n-min 0", "--spec-draft-p-min 0", "-f p.txt", "--no-escape", "-n 127", "-c 512",
-                 "--temp 0", "--top-k 1", "-t 2", "-tb 2", "-td 2", "-tbd 2"):
+                 "--temp 0", "--top-k 1", "-t 2", "-tb 2", "-td 2", "-tbd 2", "-lv 4"):
         assert f" {flag}" in s, flag
 
 
@@ -77,6 +77,8 @@ main: n_predict = 130
 main: n_drafted = 148
 main: n_accept  = 93
 main: accept    = 62.838%
+main: draft:
+spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =    1     37     37, #gen drafts =     37, #acc drafts =    30, #gen tokens =    148, #acc tokens =    93, #mean acc len = 3.51, #acc rate/pos = (0.811, 0.649, 0.541, 0.514), dur(b,g,a) = 0.002, 31.250, 0.034 ms
 """
 
 
@@ -86,6 +88,9 @@ def test_the_speculative_output_gives_the_generated_bytes_the_speed_and_the_acce
     assert r["text"] == gen
     assert (r["n_predict"], r["n_drafted"], r["n_accept"], r["rounds"]) == (130, 148, 93, 37)
     assert r["tokens_per_s"] == pytest.approx(1830.986) and r["decode_s"] == pytest.approx(130 / 1830.986)
+    assert r["draft_ms"] == 31.25 and r["acceptance_per_position"] == [0.811, 0.649, 0.541, 0.514]
+    bare = le.parse_spec_simple(b"\n\n" + prompt + gen + b"\n\n\n\n", SPEC_STDERR.split("main: draft:")[0], prompt)
+    assert bare["draft_ms"] is None and bare["n_accept"] == 93  # without its statistics (log verbosity < 4)
     empty = le.parse_spec_simple(b"\n\n" + prompt + b"\n\n\n\n", SPEC_STDERR, prompt)
     assert empty["text"] == b""
     with pytest.raises(le.ParseError, match="prompt"):
@@ -232,6 +237,8 @@ def test_the_summary_takes_the_median_pass_and_checks_each_sides_text():
                                                               "llama_any": le.best(rows, "llama", False)}}]}
     text = le.table(result)
     assert "1/2" in text and "ours / llama.cpp's best" in text and "llama.cpp plain K=0" in text
+    assert k2["ours"]["round_ms"] == pytest.approx(1e3 * 0.09 / 94)  # the median of 0.10 and 0.08 s over 94 rounds
+    assert k2["llama"]["round_ms"] == pytest.approx(1e3 * 0.2 / 158) and k2["llama"]["draft_ms_per_round"] is None
     assert json.dumps(le.jsonable({"a": b"\xff", 1: (b"x",)}))
 
 
