@@ -749,6 +749,13 @@ def jsonable(x):
     return x
 
 
+def dump(result: dict) -> str:
+    """The result as indented JSON with every list of numbers or booleans on one line (token ids stay short)."""
+    text = json.dumps(jsonable(result), indent=1)
+    return re.sub(r"\[[\s\d.eE+\-,nulltruefalse]*\]", lambda m: re.sub(r"\s+", "", m.group(0)).replace(",", ", "),
+                  text)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(prog="python -m bench.llama_eagle3", description=__doc__.split("\n")[0],
@@ -781,7 +788,7 @@ def main(argv=None) -> int:
     args.chains = sorted({int(k) for k in args.chains.split(",")} | {0})  # K = 0: the lossless reference
     result = run(args)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(jsonable(result), indent=1))
+    args.json.write_text(dump(result))
     print(table(result))
     conv = result["conversion"]
     print(f"\nour draft, converted by llama.cpp's converter ({conv['seconds']:.0f} s): {conv['command']}\n"

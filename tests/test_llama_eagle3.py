@@ -240,6 +240,10 @@ def test_the_summary_takes_the_median_pass_and_checks_each_sides_text():
     assert k2["ours"]["round_ms"] == pytest.approx(1e3 * 0.09 / 94)  # the median of 0.10 and 0.08 s over 94 rounds
     assert k2["llama"]["round_ms"] == pytest.approx(1e3 * 0.2 / 158) and k2["llama"]["draft_ms_per_round"] is None
     assert json.dumps(le.jsonable({"a": b"\xff", 1: (b"x",)}))
+    data = {"ids": [[1, 2, 3], [4, 5]], "flags": [True, False, None], "x": [1.5e-05, -2.0], "names": ["a, b", "c"]}
+    text = le.dump(data)
+    assert json.loads(text) == data
+    assert '"flags": [true, false, null]' in text and "[1, 2, 3]" in text and '"a, b"' in text
 
 
 # --- the build ---------------------------------------------------------------------------------------------
