@@ -46,7 +46,8 @@ def _refuse_non_llama(cfg) -> None:
                         f"target sets {odd}")
 
 
-def write_gguf(model, tokenizer, path, *, dtype: str = "f32", name: str = "eagle3-target") -> Path:
+def write_gguf(model, tokenizer, path, *, dtype: str = "f32", name: str = "eagle3-target", pre: str = "default"
+               ) -> Path:
     """Write our Llama-family `model` (models.Transformer) and its byte-level BPE `tokenizer`
     (tokenizers.Tokenizer) as a GGUF of architecture "llama" that llama.cpp runs and transformers reads.
 
@@ -54,7 +55,10 @@ def write_gguf(model, tokenizer, path, *, dtype: str = "f32", name: str = "eagle
     it, see `llama_permute`), so llama.cpp computes our model up to its kernels' rounding and the matrices'
     `dtype` (GGUF_WRITE_TYPES). The vocabulary is written as tokenizer.ggml.model "gpt2" (tokens in id
     order, merges, added special tokens as control tokens, ids past the tokenizer's up to the embedding's
-    rows as unused padding); add_bos_token is false, since our prompts carry no BOS."""
+    rows as unused padding); add_bos_token is false, since our prompts carry no BOS. `pre` is
+    tokenizer.ggml.pre, the split llama.cpp applies before BPE when it tokenizes text itself (never when it is
+    handed ids, as bench.peers does): "gpt-2" is the GPT-2 pattern of a tokenizers ByteLevel pre-tokenizer with
+    use_regex (ours), "default" llama.cpp's own, which also splits punctuation and digit runs."""
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
     from gguf.quants import quantize
 
@@ -103,7 +107,7 @@ def write_gguf(model, tokenizer, path, *, dtype: str = "f32", name: str = "eagle
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(ftype)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
