@@ -19,7 +19,6 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 BUCKETS = (0, 64, 256, 512, 1024)
 
 
@@ -95,13 +94,10 @@ def table_row(row: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from bench.round import newest_default_export
+    from bench.round import add_program_arguments, program_of
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pte", type=Path)
-    ap.add_argument("--tokenizer", type=Path)
-    ap.add_argument("--store", type=Path, default=ROOT / "outputs/store")
-    ap.add_argument("--prompt-format", default=None, help="plain | chat (default: the target's)")
+    add_program_arguments(ap)
     ap.add_argument("--contexts", default="256,1024,1792", help="prompt tokens, comma-separated")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--chains", default="2,4,6")
@@ -110,13 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    if args.pte is None:
-        args.pte, tokenizer, fmt = newest_default_export(args.store)
-        args.tokenizer = args.tokenizer or tokenizer
-        args.prompt_format = args.prompt_format or fmt
-    elif args.tokenizer is None:
-        ap.error("--pte needs --tokenizer (the tokenizer.json of its target artifact)")
-    args.prompt_format = args.prompt_format or "plain"
+    program_of(ap, args)
     result = run(args)
     m = result["machine"]
     print(f"{m['cpu']} ({m['capability']}), {result['threads']} thread(s), cache {result['max_seq_len']}")

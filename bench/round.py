@@ -203,12 +203,30 @@ def newest_default_export(store: Path) -> tuple[Path, Path, str]:
     return e["path"] / "model.pte", e["target_path"] / "tokenizer.json", e["data_cfg"].get("prompt_format", "plain")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_program_arguments(ap: argparse.ArgumentParser) -> None:
+    """--pte, --tokenizer, --store, --prompt-format: the program a bench runs and how its prompts are cut
+    (`program_of` fills them in)."""
     ap.add_argument("--pte", type=Path)
     ap.add_argument("--tokenizer", type=Path)
     ap.add_argument("--store", type=Path, default=ROOT / "outputs/store")
     ap.add_argument("--prompt-format", default=None, help="plain | chat (default: the target's)")
+
+
+def program_of(ap: argparse.ArgumentParser, args) -> None:
+    """`args.pte`, `.tokenizer` and `.prompt_format` set: as given, or the store's newest export of the embedded
+    default; --pte without --tokenizer is refused."""
+    if args.pte is None:
+        args.pte, tokenizer, fmt = newest_default_export(args.store)
+        args.tokenizer = args.tokenizer or tokenizer
+        args.prompt_format = args.prompt_format or fmt
+    elif args.tokenizer is None:
+        ap.error("--pte needs --tokenizer (the tokenizer.json of its target artifact)")
+    args.prompt_format = args.prompt_format or "plain"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_program_arguments(ap)
     ap.add_argument("--chains", default="0,1,2,3,4,5,6,7")
     ap.add_argument("--threads", default="1,2", help="comma-separated; each in a process of its own")
     ap.add_argument("--prompts", type=int, default=8)
@@ -218,13 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.pte is None:
-        args.pte, tokenizer, fmt = newest_default_export(args.store)
-        args.tokenizer = args.tokenizer or tokenizer
-        args.prompt_format = args.prompt_format or fmt
-    elif args.tokenizer is None:
-        ap.error("--pte needs --tokenizer (the tokenizer.json of its target artifact)")
-    args.prompt_format = args.prompt_format or "plain"
+    program_of(ap, args)
     if args.child:
         args.threads = int(args.threads)
         print(json.dumps(child(args)))
