@@ -94,7 +94,7 @@ DEFAULT_CHAIN = 6  # the largest default K (`default_chain: auto`, pipeline.hard
 def windows(ec) -> dict:
     """The call windows the export config fixes: max_m, default_chain (resolved from `auto` by
     pipeline.hardware before any key is computed) and the prefill chunk range (`min_prefill_chunk` None =
-    max_m + 1). The .pte is lowered for them, and the CUDA engine captures its graphs for the same ones."""
+    max_m + 1). The .pte is lowered for them (the cuda engine has its own, conf/engine/cuda.yaml)."""
     max_m = int(ec.max_m)
     min_prefill = int(ec.min_prefill_chunk) if ec.get("min_prefill_chunk") is not None else max_m + 1
     return dict(max_m=max_m, default_chain=int(ec.default_chain), max_prefill_chunk=int(ec.max_prefill_chunk),
