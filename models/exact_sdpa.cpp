@@ -4,8 +4,8 @@
 // head h attends the keys of KV head h / (Hq / Hkv) from max(0, pos - window + 1) (window 0: from 0) to pos, one
 // key after another in position order: the scores and their max, then exp and the weighted sum of the values. Its
 // bits depend on that row and those keys only. ring > 0: the caches are a ring of S = ring slots, position j at
-// slot j % ring (window in [1, ring]), so the same keys are visited in the same order as in a flat cache. Rows run in parallel on the runtime's threadpool; a row is never
-// split, so the thread count does not change a bit either.
+// slot j % ring (window in [1, ring]), so the same keys are visited in the same order as in a flat cache. Rows run
+// in parallel on the runtime's threadpool; a row is never split, so the thread count does not change a bit either.
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>

@@ -2,8 +2,8 @@
 
 Row t attends the keys of its KV head from max(0, pos[t] - window + 1) (window 0: from 0) to pos[t], one key
 after another in position order (on a ring cache of `ring` slots, position j at slot j % ring: the same keys in
-the same order as in a flat cache, so a ring changes no bit), so a position gives the same bits in a decode, in any verify window and in a
-prefill, which is what the .pte's exact mode needs (docs/design.md §4), and the call costs its context, not the
+the same order as in a flat cache, so a ring changes no bit), so a position gives the same bits in a decode, in
+any verify window and in a prefill, which is what the .pte's exact mode needs (docs/design.md §4), and the call costs its context, not the
 cache: llama::custom_sdpa gives call-independent rows only under a mask over every cache slot, which cost
 SmolLM2's exact call 9.1 of its 24.6 ms (docs/design.md §4).
 

@@ -20,14 +20,14 @@ Export notes (torch.export with a dynamic T, then ExecuTorch):
   (`exact`) attends through `eagle3::exact_sdpa` (models.exact_sdpa) instead. Its invariant:
   input_pos is contiguous, arange(start, start+T) (the runner's every call). The ops have CPU kernels in
   torch too, so the eager model runs the same path (tests compare the two implementations).
+  The cached path is for inference: its K/V writes are detached (no gradient flows through the cache);
+  training uses the stateless path.
 - a windowed layer's cache may be a ring (`setup_cache(..., ring=True)`, which models.target decides): its
   slots hold position p in slot p % slots, and the model passes such a layer the slots of the call's rows in
   place of input_pos, with a mask built from the position each slot holds (`cached_mask(..., ring=True)`).
   "index_copy" writes the slots with the same `index_copy_`; "llama_ops" with `llama::update_cache_with_indices`
   and attends over every slot under the float mask; the exact op walks the row's positions in order, each at
   its slot.
-  The cached path is for inference: its K/V writes are detached (no gradient flows through the cache);
-  training uses the stateless path.
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
 @dataclass(frozen=True)
 class RowPositions:
     """The "mask" of an exact call on the llama ops: each row's position (and the layer's window, 0 = none);
-    the layer attends through models.exact_sdpa, each row over its own visible keys in index order."""
+    the layer attends through models.exact_sdpa, each row over its own visible keys in position order."""
     q_pos: torch.Tensor
     window: int
 

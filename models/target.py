@@ -14,18 +14,18 @@ Per-layer choices are Python branches on the config only (never on tensor values
 static in every shape but T: each layer takes its window's mask (windows are masks over the whole static
 cache) and its RoPE tables (the local ones on windowed layers when `rope_local_theta` is set).
 
-Ring caches (`setup_cache(max_t=...)`): a windowed layer attends to at most `window` keys, so its cache needs
-only `ring_slots` = max window + max_t slots, position p in slot p % ring, where max_t is the widest call the
-model will be given (the exported T ranges' maximum). `slot_pos` [ring] holds the position each slot holds
-(-1: never written), written with the K/V of every call; the windowed layers' masks come from it, so a slot
-is visible to a row at q when q - window < slot_pos <= q. The slack of max_t slots is what keeps every key a
-row needs: a write at position p evicts p - ring, which a row at q needs only if p - ring > q - window, i.e.
-p > q + max_t. A call writes at most its own rows, less than max_t past its first row; a rejected verify
-window's rows stay below the next call's first row + max_t, and a one-token remainder of the prompt reaches
-back one position. So no call ever evicts a key any of its rows, or a later row, needs. (ExecuTorch's own
-RingKVCache takes 2 x window, which also bounds a call by the window; ours costs window + max_t, 640 slots
-instead of 1,024 for Gemma 3's 512-token window at max_t = 128.) Global layers stay flat, and a ring no
-shorter than the cache would save nothing, so the cache stays flat then too.
+Ring caches (`setup_cache(max_t=...)`): a windowed layer attends to at most `window` keys, so its cache holds
+`ring_slots` = the largest window + max_t slots, position p in slot p % ring, where max_t is the widest call the
+model will be given (the export's and the engines' max(max_prefill_chunk, max_m)). `slot_pos` [ring] records the
+position each slot holds (-1: none; `write_slots`), and the windowed layers' masks come from it: a slot is visible
+to a row at q when q - window < slot_pos <= q. Why max_t slots of slack: a write at p evicts p - ring, which a row
+at q needs only if p > q + max_t. A call writes less than max_t positions past its first row, and no call starts
+before the first row of a call before it in the sequence (a verify window after a rejection starts past the
+previous one's first row; a one-row remainder of the prompt reaches back one position, into the call before), so
+no write evicts a key that a row of its own call, or of a later one, needs. ExecuTorch's RingKVCache takes
+2 x window, which holds calls of at most a window; ours costs window + max_t (640 slots for Gemma 3's 512 at
+max_t = 128, against 1,024). Global layers stay flat, and so does every layer where a ring would be no shorter
+than the cache.
 
 Taps (HF convention): index 0 = embedding output (after embed_scale), index k = residual after layer k-1,
 before the final norm. They are the very tensors the layers produce, so they are bit-identical to the

@@ -235,3 +235,31 @@ def test_the_program_decodes_transformers_tokens_at_every_k(gemma, ring_pte):
     exact = ExactEngine(pte, MAX_M)
     for k in (0, MAX_M - 1):
         assert generate(exact, gemma.prompt, chain=k, max_new_tokens=NEW).output_ids == base.output_ids, k
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_cuda_engines_dense_path_runs_rings_and_its_kernels_refuse_them(exact):
+    """runner.cuda_engine's dense path (its buffers and calls run eagerly on a CPU) on a windowed target: rings,
+    and every K gives the target's own greedy tokens over a prompt of three rings; the GPU kernels take flat caches
+    and refuse a ring."""
+    from kernels.transform import to_kernels
+    from models import tiny_target
+    from runner.cuda_engine import CudaEngine
+    from runner.generate import generate
+
+    def speculator():
+        target = tiny_target(seed=3, n_layers=3, max_seq_len=SEQ, sliding_window=[WINDOW, None, WINDOW])
+        return Speculator(target, tiny_draft(target, seed=4))
+
+    engine = CudaEngine(speculator(), device="cpu", dtype="float32", graphs=False, exact=exact, max_m=MAX_M,
+                        default_chain=2, max_prefill_chunk=MAX_T, min_prefill_chunk=MIN_PREFILL)
+    assert [layer.self_attn.k_cache.shape[2] for layer in engine.spec.target.layers] == [RING, SEQ, RING]
+    prompt = torch.randint(0, VOCAB, (3 * RING,), generator=torch.Generator().manual_seed(fresh_seed())).tolist()
+    target, seq = speculator().target, list(prompt)
+    with torch.no_grad():
+        for _ in range(16):
+            seq.append(int(target(torch.tensor([seq]))[0, -1].argmax()))
+    for k in range(MAX_M):
+        assert generate(engine, prompt, chain=k, max_new_tokens=16).output_ids == seq[len(prompt):], k
+    with pytest.raises(NotImplementedError, match="flat caches"):
+        to_kernels(engine.spec.target, max_m=MAX_M)
