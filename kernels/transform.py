@@ -195,6 +195,10 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
         # sdpa_midm computes uncapped attention (Gemma 3 sets the cap but transformers never applies it)
         raise NotImplementedError(f"to_kernels: attn_logit_softcap={cfg.attn_logit_softcap} is not implemented "
                                   f"by the kernels (attention without soft-cap)")
+    if any(m.ring for m in model.modules() if isinstance(m, Attention)):
+        # sdpa_midm finds a row's keys by position (key j at index j), not by the position a ring slot holds
+        raise NotImplementedError("to_kernels: the kernels' attention takes flat caches; set the model up without "
+                                  "ring caches (Transformer.setup_cache(max_t=None))")
     for i, layer in enumerate(getattr(model, "layers", [])):
         attn = getattr(layer, "self_attn", None)
         if attn is not None and cfg is not None and hasattr(cfg, "window"):

@@ -22,6 +22,12 @@ Export notes (torch.export with a dynamic T, then ExecuTorch):
   torch too, so the eager model runs the same path (tests compare the two implementations).
   The cached path is for inference: its K/V writes are detached (no gradient flows through the cache);
   training uses the stateless path.
+- a windowed layer's cache may be a ring (`setup_cache(..., ring=True)`, which models.target decides): its
+  slots hold position p in slot p % slots, and the model passes such a layer the slots of the call's rows in
+  place of input_pos, with a mask built from the position each slot holds (`cached_mask(..., ring=True)`).
+  "index_copy" writes the slots with the same `index_copy_`; "llama_ops" with `llama::update_cache_with_indices`
+  and attends over every slot under the float mask; the exact op walks the row's positions in order, each at
+  its slot.
 """
 
 from __future__ import annotations
@@ -199,9 +205,11 @@ class Attention(nn.Module):
         self.register_buffer("rotate_weight", None, persistent=False)
         self.setup_cache(1, max_seq_len)
 
-    def setup_cache(self, batch_size: int, length: int) -> None:
+    def setup_cache(self, batch_size: int, length: int, ring: bool = False) -> None:
         """(Re)allocate the cache as zeros (non-persistent): [batch_size, n_kv_heads, length, head_dim] for
-        "index_copy", [batch_size, length, n_kv_heads, head_dim] for "llama_ops"."""
+        "index_copy", [batch_size, length, n_kv_heads, head_dim] for "llama_ops". `ring`: the `length` slots
+        are a ring (module docstring): the layer is given slots, not positions, and writes there."""
+        self.ring = ring
         like = self.q_proj.weight
         shape = ((batch_size, self.n_kv_heads, length, self.head_dim) if self.kv_impl == "index_copy" else
                  (batch_size, length, self.n_kv_heads, self.head_dim))
@@ -252,13 +260,14 @@ class Attention(nn.Module):
         self.rotate_weight = rotate_half_weight(self.head_dim).to(self.q_proj.weight) if impl == "llama_ops" else None
         batch, length = self.cache_size()
         self.kv_impl = impl
-        self.setup_cache(batch, length)
+        self.setup_cache(batch, length, self.ring)
 
     def forward_llama_ops(self, x, cos, sin, mask, input_pos):
         """The cached path on ExecuTorch's llama ops (`input_pos`: the positions [T], or the start position
-        as an int, which the models compute once per call with `start_position`): q/k/v stay [B, T, heads, hd] (the ops' layout, no
-        transposes), RoPE broadcasts over the heads, K/V go into the cache at start = input_pos[0], and
-        custom_sdpa attends causally from start (mask None) or under the additive float mask [T, S]."""
+        as an int, which the models compute once per call with `start_position`; on a ring, the rows' slots
+        [T]): q/k/v stay [B, T, heads, hd] (the ops' layout, no transposes), RoPE broadcasts over the heads, K/V
+        go into the cache at start = input_pos[0] (a ring: at the slots, and start 0), and custom_sdpa attends
+        causally from start (mask None) or under the additive float mask [T, S]."""
         B, T, _ = x.shape  # views name T as -1: XNNPACK takes a reshape with one inferred dim, none with a symbol
         q = self.q_proj(x).view(B, -1, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, -1, self.n_kv_heads, self.head_dim)
@@ -275,11 +284,18 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if not is_tracing():
             k, v = k.detach(), v.detach()
-        start = input_pos if isinstance(input_pos, (int, torch.SymInt)) else start_position(input_pos, self.k_cache.shape[1])
-        torch.ops.llama.update_cache(k, self.k_cache, start)
-        torch.ops.llama.update_cache(v, self.v_cache, start)
+        if self.ring:
+            start, slots = 0, input_pos.view(1, -1)
+            torch.ops.llama.update_cache_with_indices(k, self.k_cache, start, slots)
+            torch.ops.llama.update_cache_with_indices(v, self.v_cache, start, slots)
+        else:
+            start = (input_pos if isinstance(input_pos, (int, torch.SymInt)) else
+                     start_position(input_pos, self.k_cache.shape[1]))
+            torch.ops.llama.update_cache(k, self.k_cache, start)
+            torch.ops.llama.update_cache(v, self.v_cache, start)
         if isinstance(mask, RowPositions):  # exact: each row over its own keys, in one order (models.exact_sdpa)
-            out = torch.ops.eagle3.exact_sdpa(q, self.k_cache, self.v_cache, mask.q_pos, mask.window, self.scale)
+            out = torch.ops.eagle3.exact_sdpa(q, self.k_cache, self.v_cache, mask.q_pos, mask.window, self.scale,
+                                              self.k_cache.shape[1] if self.ring else 0)
         else:
             out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start, mask, 0.0, mask is None,
                                               self.scale)
@@ -341,36 +357,40 @@ class MLP(nn.Module):
         return self.down_proj(gate * self.up_proj(x))
 
 
-def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """bool [T, S]: key visible iff k_pos <= q_pos (and k_pos > q_pos - window for a windowed layer)."""
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, ring: bool = False) -> torch.Tensor:
+    """bool [T, S]: key visible iff k_pos <= q_pos (and k_pos > q_pos - window for a windowed layer); on a ring
+    k_pos is the position each slot holds, -1 for a slot never written, which no row sees."""
     mask = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         mask = mask & (k_pos[None, :] > q_pos[:, None] - window)
+    if ring:
+        mask = mask & (k_pos[None, :] >= 0)
     return mask
 
 
 @dataclass(frozen=True)
 class RowPositions:
     """The "mask" of an exact call on the llama ops: each row's position (and the layer's window, 0 = none);
-    the layer attends through models.exact_sdpa, each row over its own visible keys in index order."""
+    the layer attends through models.exact_sdpa, each row over its own visible keys in position order."""
     q_pos: torch.Tensor
     window: int
 
 
 def cached_mask(kv_impl: str, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, *,
-                exact: bool = False):
+                exact: bool = False, ring: bool = False):
     """The mask a cached call's layers of one window take, built once per call and shared by them:
     "index_copy": bool [T, S] (attention_mask); "llama_ops": None for a causal layer (custom_sdpa's own
     causal rule from input_pos[0]), an additive float32 mask [T, S] (0 / -inf) for a windowed one, and with
     `exact` RowPositions: custom_sdpa reduces over start + T keys without a mask and over all S with one,
-    so only the exact op keeps a row's arithmetic independent of where its call starts at the context's cost."""
+    so only the exact op keeps a row's arithmetic independent of where its call starts at the context's cost.
+    `ring`: k_pos is the ring's slot positions (attention_mask)."""
     if kv_impl == "index_copy":
-        return attention_mask(q_pos, k_pos, window)
+        return attention_mask(q_pos, k_pos, window, ring)
     if exact:
         return RowPositions(q_pos, window or 0)
     if window is None:
         return None
-    return torch.where(attention_mask(q_pos, k_pos, window), 0.0, float("-inf")).to(torch.float32)
+    return torch.where(attention_mask(q_pos, k_pos, window, ring), 0.0, float("-inf")).to(torch.float32)
 
 
 def set_fc_mean(model: nn.Module, on: bool) -> int:

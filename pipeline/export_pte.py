@@ -23,6 +23,8 @@ The target methods share one KV cache, the draft methods another: every method w
 same attribute name, so each cache buffer has one name in every graph, planned once for the program
 (`share_mutable_buffers`). A method writes K/V at input_pos, which must be contiguous and below max_seq_len, and
 attends to keys at or before each row's position, so nothing is rolled back: a later call overwrites a rejected slot.
+The target's windowed layers keep their keys in ring caches of window + max(max_prefill_chunk, max_m) slots
+(models.target), which no call of the exported ranges overruns.
 The runtime refuses a T above a method's range but not below it; the runner enforces the lower bounds.
 
 Constant methods (no inputs; `execute([])` returns a one-element list): get_max_m, get_chain_len (the default K,
@@ -61,6 +63,7 @@ from models import quiet
 from models.choices import EXPORT_BACKENDS, EXPORT_QUANTS
 from models.quantize import GroupOffsetLinear, quantize
 from models.speculator import chain_methods
+from models.target import kv_cache_bytes, ring_slots
 from pipeline.pte_segments import data_layout, share_constant_bytes
 
 log = logging.getLogger(__name__)
@@ -507,7 +510,10 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     quant="8da4w_offsets" quantizes `speculator` IN PLACE, "8da4w_draft" its draft (the stage loads a fresh one;
     copy first to keep fp32).
     `attention` is the cached path the methods are traced with (`pick_attention`), `fc_norms` makes every
-    RMSNorm's mean a linear (RMSNorm.set_fc_mean); the speculator's caches are reallocated empty. Every argument is checked before tracing starts (ValueError with the offending value).
+    RMSNorm's mean a linear (RMSNorm.set_fc_mean); the speculator's caches are reallocated empty, the target's
+    windowed layers on rings for the widest target call, max(max_prefill_chunk, max_m) rows (Transformer.setup_cache).
+    The report gives the ring's slots (`ring_slots`, None: flat) and the target's K/V bytes by layer kind
+    (`kv_cache_bytes`). Every argument is checked before tracing starts (ValueError with the offending value).
 
     `scratch` (the export stage's scratch dir): each method, once lowered, is saved there
     (`<method>.lowered.pt2`, its delegates' weights beside it in one file per distinct buffer, which the methods
@@ -537,10 +543,15 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
 
     attention = pick_attention(speculator, attention)
     t_start = time.perf_counter()
+    # the windowed layers' ring caches, sized for the widest target call (models.target, `ring_slots`)
+    max_t = max(max_prefill_chunk, max_m)
+    target.setup_cache(max_t=max_t)
     report: dict = {"backend": backend, "quant": quant, "attention": attention, "fc_norms": fc_norms, "max_m": max_m,
                     "default_chain": default_chain, "draft_chains": draft_chains,
                     "min_prefill_chunk": min_prefill_chunk, "max_prefill_chunk": max_prefill_chunk,
-                    "max_seq_len": max_seq_len, "manifest_hash": manifest_hash}
+                    "max_seq_len": max_seq_len, "manifest_hash": manifest_hash,
+                    "ring_slots": ring_slots(target.cfg, max_seq_len, max_t),
+                    "kv_cache_bytes": kv_cache_bytes(target.cfg, max_seq_len, target.lm_head.weight.dtype, max_t)}
     speculator.eval()
     if quant != "fp32":
         report["group_size"] = group_size

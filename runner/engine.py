@@ -392,6 +392,7 @@ class EagerEngine(Engine):
                  min_prefill_chunk: int = 1, device: str | torch.device = "cpu", manifest_hash: str = ""):
         self.device = torch.device(device)
         self.spec = speculator.to(self.device).eval()
+        self.spec.target.setup_cache(max_t=max(max_prefill_chunk, max_m))  # rings as the .pte's (models.target)
         self.meta = speculator_meta(speculator, max_m=max_m, default_chain=default_chain,
                                     max_prefill_chunk=max_prefill_chunk, min_prefill_chunk=min_prefill_chunk,
                                     manifest_hash=manifest_hash)

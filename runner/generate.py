@@ -23,8 +23,8 @@ against. At temperature > 0 proposals are sampled from the draft and verified by
 output is distributed exactly as the target's own samples.
 
 The exported T ranges are enforced here, not by the runtime (which accepts T below a method's minimum):
-prefill chunks lie in [min_prefill, max_prefill] (and within the sliding window), a shorter piece of the
-prompt goes through target_verify windows (T in [2, max_m]); K outside [1, max_m-1] is refused. K shrinks
+prefill chunks lie in [min_prefill, max_prefill], a shorter piece of the prompt goes through target_verify
+windows (T in [2, max_m]); K outside [1, max_m-1] is refused. K shrinks
 only where drafting cannot pay: near the token budget and the end of the cache. `policy="adaptive"`
 picks each round's K from the acceptance seen so far and the measured verify and draft costs.
 
@@ -240,8 +240,9 @@ class Inputs:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Prefill: the prompt in chunks <= max_prefill (and <= the sliding window); a piece shorter than the exported
-# minimum goes through target_verify windows (T in [2, max_m]) instead.
+# Prefill: the prompt in chunks <= max_prefill; a piece shorter than the exported minimum goes through
+# target_verify windows (T in [2, max_m]) instead. No chunk is wider than the widest call the target's ring
+# caches are sized for (max(max_prefill, max_m), models.target), so a chunk never evicts a key it needs.
 
 
 @dataclass
@@ -255,7 +256,7 @@ def prefill_windows(meta: dict, n: int) -> list[tuple[str, int, int]]:
     """The calls that cover positions [0, n): (method, start, length), lengths within each method's range.
     A verify window of one token reaches back one position (rewriting that slot with the same K/V); a
     one-token prompt is padded to two (the padded slot is overwritten by the first round)."""
-    chunk = min(meta["max_prefill_chunk"], meta.get("sliding_window") or meta["max_prefill_chunk"])
+    chunk = meta["max_prefill_chunk"]
     windows = []
     for start in range(0, n, chunk):
         length = min(chunk, n - start)

@@ -1,7 +1,8 @@
 """The export stage: the target and draft artifacts lowered into ONE model.pte (see pipeline/export_pte.py).
 
 Artifact: `model.pte` and the manifest report (max_m, default_chain, prefill chunk range, backend, quant,
-manifest_hash, the pairing facts behind it, .pte size, timings, ops outside the delegate per method).
+manifest_hash, the pairing facts behind it, .pte size, timings, ops outside the delegate per method, and the
+target's KV cache: `ring_slots` of its windowed layers, `kv_cache_bytes` {sliding, global}).
 
 Order of work, so that every refusal comes before the minutes of lowering:
 1. the export config alone (backend, quant, max_m in [2, max_seq_len], default_chain in [1, max_m-1], prefill
@@ -38,10 +39,11 @@ from pipeline.store import building, hash_tree, scratch_dir
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 9  # 2: get_sliding_window is a required constant method; 3: the llama_ops / fc-norm graph;
+SCHEMA_VERSION = 10  # 2: get_sliding_window is a required constant method; 3: the llama_ops / fc-norm graph;
 # 4: target_verify_exact (exact mode); 5: an int4 target's groups carry offsets; 7: the exact call attends
 # through eagle3::exact_sdpa (6 was a matmul attention, tried and dropped); 8: draft_chain_<k>; 9: export.quant's
-# schemes named for what they are (get_quant and the report say fp32, 8da4w_draft, 8da4w_offsets)
+# schemes named for what they are (get_quant and the report say fp32, 8da4w_draft, 8da4w_offsets); 10: windowed
+# layers on ring caches (eagle3::exact_sdpa takes the ring)
 UPSTREAM = ("target", "draft")
 CONFIG_KEYS = ("export",)
 
