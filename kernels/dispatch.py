@@ -47,9 +47,10 @@ def int4_linear(x: torch.Tensor, packed, scale_zero, group: int, max_m: int, bia
     return y.reshape(*x.shape[:-1], packed.shape[0])
 
 
-def attention(q, k, v, q_pos, max_m: int, window: int = 0, scale: float | None = None, valid_len=None):
-    """q [B,Hq,M,D] over the cache k/v [B,Hkv,L,D] under key <= q_pos (and window, valid_len)."""
+def attention(q, k, v, q_pos, max_m: int, window: int = 0, scale: float | None = None, valid_len=None, k_pos=None):
+    """q [B,Hq,M,D] over the cache k/v [B,Hkv,L,D] under key <= q_pos (and window, valid_len); a ring cache with
+    k_pos [L], the position each slot holds (kernels.sdpa_midm)."""
     if use_small_m(q.shape[2], max_m):
-        return sdpa_midm(q, k, v, q_pos, valid_len, window, scale)
-    mask = visible(q_pos, k.shape[2], valid_len, window)
+        return sdpa_midm(q, k, v, q_pos, valid_len, window, scale, k_pos)
+    mask = visible(q_pos, k.shape[2], valid_len, window, k_pos)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

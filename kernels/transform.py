@@ -7,7 +7,10 @@ cached attention with T <= max_m.
   with fuse=True (the default) the linears that read one input (q/k/v, gate/up) share one GEMM;
 - every `models.layers.Attention` gets a subclass whose `forward` records `input_pos` for the duration of
   the call and whose `attend` runs `dispatch.attention` (sdpa_midm for T <= max_m, torch SDPA above) on
-  the cached path; the stateless path (input_pos None) keeps the model's own attention;
+  the cached path; the stateless path (input_pos None) keeps the model's own attention. A ring layer
+  (models.target: the windowed layers after `setup_cache(max_t=...)`, called before this transform) is given
+  its rows' slots; it reads their positions and every slot's from its Transformer's `slot_pos`, which the model
+  has written for the call (write_slots) before any layer runs;
 - with norm_rope=True (the default) every `RMSNorm` (Gemma's (1 + w) ones too), the attention's RoPE of q
   and k and the MLP's gated product (SwiGLU, or Gemma's GeGLU) run as one launch each (kernels.norm_rope: the same values, 5 launches where the model's code makes
   30 per layer).
@@ -147,8 +150,8 @@ class KernelMLP(MLP):
 
 
 class _KernelAttention:
-    """Mixin over an Attention class; `kernel_window` (0 = none), `max_m` and `kernel_rope` are set by
-    `to_kernels`."""
+    """Mixin over an Attention class; `kernel_window` (0 = none), `max_m`, `kernel_rope` and `kernel_target` (the
+    Transformer whose `slot_pos` a ring layer reads; None outside one) are set by `to_kernels`."""
 
     def project(self, x, cos, sin):
         if not self.kernel_rope or self.q_norm is not None or x.dtype != torch.bfloat16:
@@ -168,7 +171,11 @@ class _KernelAttention:
         q_pos = getattr(self, "_q_pos", None)
         if q_pos is None:
             return super().attend(q, k, v, mask)
-        return dispatch.attention(q, k, v, q_pos, self.max_m, self.kernel_window, self.scale)
+        slot_pos = None
+        if self.ring:  # the model passes a ring layer its rows' slots (models.target); slot_pos holds their positions
+            slot_pos = self.kernel_target.slot_pos
+            q_pos = slot_pos.index_select(0, q_pos)
+        return dispatch.attention(q, k, v, q_pos, self.max_m, self.kernel_window, self.scale, k_pos=slot_pos)
 
 
 _KERNEL_CLASSES: dict[type, type] = {}
@@ -195,10 +202,6 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
         # sdpa_midm computes uncapped attention (Gemma 3 sets the cap but transformers never applies it)
         raise NotImplementedError(f"to_kernels: attn_logit_softcap={cfg.attn_logit_softcap} is not implemented "
                                   f"by the kernels (attention without soft-cap)")
-    if any(m.ring for m in model.modules() if isinstance(m, Attention)):
-        # sdpa_midm finds a row's keys by position (key j at index j), not by the position a ring slot holds
-        raise NotImplementedError("to_kernels: the kernels' attention takes flat caches; set the model up without "
-                                  "ring caches (Transformer.setup_cache(max_t=None))")
     for i, layer in enumerate(getattr(model, "layers", [])):
         attn = getattr(layer, "self_attn", None)
         if attn is not None and cfg is not None and hasattr(cfg, "window"):
@@ -211,6 +214,7 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
             module.max_m = max_m
             module.kernel_window = windows.get(id(module), 0)
             module.kernel_rope = norm_rope
+            module.kernel_target = None
         if norm_rope and type(module) is RMSNorm:
             module.__class__ = KernelRMSNorm
         if type(module) is MLP:
@@ -219,4 +223,9 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and name not in dense:
                 setattr(module, name, Int4Linear(child, group, max_m))
+    for owner in model.modules():
+        if "slot_pos" in owner._buffers:  # a Transformer: its ring layers read its slot positions
+            for attn in owner.modules():
+                if isinstance(attn, _KernelAttention):
+                    object.__setattr__(attn, "kernel_target", owner)  # not a submodule: no cycle in modules()
     return model

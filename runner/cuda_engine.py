@@ -8,8 +8,9 @@ fused norms and RoPE), built for `max_m`, the same number that sizes the .pte's 
 rule and the exported range cannot disagree. The draft's K-1 steps per round read its weights K-1 times, so
 it gains from INT4 as the target does.
 
-The dense engine's windowed layers keep ring caches as the .pte's do (models.target: window + the widest call
-slots); with `kernels=True` every cache stays flat, since sdpa_midm finds a key by its position.
+The windowed layers keep ring caches as the .pte's do (models.target: window + the widest call slots), with the
+kernels too: sdpa_midm reads a ring through the target's slot positions, walking each row's positions in the
+order and splits a flat cache would give them, so a ring changes no bit of a row.
 
 INT4: the weights are quantised as loaded (float32 from the loaders: a GGUF's dequantised values) and only
 then cast, because models.quantize.quantize_w4 keeps a GGUF's 4-bit blocks exactly only where it sees
@@ -189,14 +190,13 @@ class CudaEngine(Engine):
         check_max_m(max_m)
         self.dtype = DTYPES[dtype]
         spec = speculator.to(self.device).eval()
+        spec.target.setup_cache(max_t=max(max_prefill_chunk, max_m))  # rings (module doc), before the kernels swap
         if kernels:  # quantised from the weights as loaded (module doc, "INT4"), then the rest to bf16
             from kernels.transform import to_kernels
 
             to_kernels(spec.target, max_m=max_m, group=group, dense=dense)
             to_kernels(spec.draft, max_m=max_m, group=group, dense=dense)
         spec = spec.to(self.dtype)
-        if not kernels:  # rings as the .pte's (models.target); the kernels' attention walks a flat cache
-            spec.target.setup_cache(max_t=max(max_prefill_chunk, max_m))
         spec.draft.check_gaps = False
         self.spec = spec
         self.meta = speculator_meta(spec, max_m=max_m, default_chain=default_chain,

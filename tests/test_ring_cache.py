@@ -238,11 +238,10 @@ def test_the_program_decodes_transformers_tokens_at_every_k(gemma, ring_pte):
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_the_cuda_engines_dense_path_runs_rings_and_its_kernels_refuse_them(exact):
+def test_the_cuda_engines_dense_path_runs_rings(exact):
     """runner.cuda_engine's dense path (its buffers and calls run eagerly on a CPU) on a windowed target: rings,
-    and every K gives the target's own greedy tokens over a prompt of three rings; the GPU kernels take flat caches
-    and refuse a ring."""
-    from kernels.transform import to_kernels
+    and every K gives the target's own greedy tokens over a prompt of three rings (the GPU kernels on rings:
+    tests/test_kernels_sdpa_ring.py)."""
     from models import tiny_target
     from runner.cuda_engine import CudaEngine
     from runner.generate import generate
@@ -261,5 +260,3 @@ def test_the_cuda_engines_dense_path_runs_rings_and_its_kernels_refuse_them(exac
             seq.append(int(target(torch.tensor([seq]))[0, -1].argmax()))
     for k in range(MAX_M):
         assert generate(engine, prompt, chain=k, max_new_tokens=16).output_ids == seq[len(prompt):], k
-    with pytest.raises(NotImplementedError, match="flat caches"):
-        to_kernels(engine.spec.target, max_m=MAX_M)

@@ -16,8 +16,8 @@ WINDOWS = dict(max_m=5, default_chain=3, max_prefill_chunk=16, min_prefill_chunk
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def speculator(seed: int = 0) -> Speculator:
-    target = tiny_target(seed=seed, n_layers=2, max_seq_len=96)
+def speculator(seed: int = 0, **target) -> Speculator:
+    target = tiny_target(seed=seed, n_layers=2, max_seq_len=96, **target)
     draft = tiny_draft(target, seed=seed + 1, draft_vocab_size=160)
     draft.set_vocab_map(torch.cat([torch.arange(96), torch.arange(96, 256, 2)[:64]]))
     return Speculator(target, draft).eval()
@@ -151,6 +151,23 @@ def test_graph_replays_are_lossless_at_every_chain(kernels, exact):
         base = generate(engine, prompt, chain=0, max_new_tokens=48).output_ids
         for k in range(1, WINDOWS["max_m"]):
             assert generate(engine, prompt, chain=k, max_new_tokens=48).output_ids == base
+
+
+@cuda
+@pytest.mark.parametrize("exact", [False, True])
+def test_graph_replays_on_the_kernels_rings_are_lossless_and_give_the_flat_caches_tokens(exact, monkeypatch):
+    """The kernels on a windowed target: its ring (window 8 + 16 slots, which a prompt and 48 tokens wrap up to
+    three times) gives every K the K = 0 tokens, and those are the same engine's tokens on a flat cache."""
+    windowed = dict(sliding_window=[8, None])
+    ring = CudaEngine(speculator(5, **windowed), device="cuda", kernels=True, exact=exact, **WINDOWS)
+    monkeypatch.setattr("models.target.ring_slots", lambda cfg, length, max_t: None)
+    flat = CudaEngine(speculator(5, **windowed), device="cuda", kernels=True, exact=exact, **WINDOWS)
+    assert [e.spec.target.layers[0].self_attn.k_cache.shape[2] for e in (ring, flat)] == [8 + 16, 96]
+    for prompt in prompts(3, seed=11):
+        base = generate(ring, prompt, chain=0, max_new_tokens=48).output_ids
+        assert generate(flat, prompt, chain=0, max_new_tokens=48).output_ids == base
+        for k in range(1, WINDOWS["max_m"]):
+            assert generate(ring, prompt, chain=k, max_new_tokens=48).output_ids == base
 
 
 @cuda
