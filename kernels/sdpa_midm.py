@@ -6,7 +6,9 @@
   valid_len  int [1] device tensor or None: keys at positions >= valid_len are ignored
   window  0 = none, else a key at position j is visible to row m only if j > q_pos[m] - window
   k_pos   int [L] device tensor or None: the position each slot holds (-1: none), for a ring cache
-          (models.target: position p in slot p % L); None: a flat cache, key j at position j
+          (models.target: position p in slot p % L; a window of at most L, and the call's rows within
+          L - window positions of each other, as the ring's slack makes them); None: a flat cache, key j at
+          position j
 A key is visible to row m iff its position j satisfies q_pos[m] - window < j <= q_pos[m] (and j < valid_len); on
 a ring, the slot must hold it: k_pos[j % L] == j, which for every slot s is k_pos[s] in that range and >= 0. The
 range of positions read, [lo, end) with end = max(q_pos) + 1 and lo = min(q_pos) - window + 1 (0 without a
@@ -18,8 +20,9 @@ Positions, not slots, are cut into splits of SPLIT_KEYS (CONFIG["split_keys"]), 
 slot j % L on a ring. So a row meets the same splits, tiles and summation order in every call, whatever the other
 rows, the call's width and however often the ring has wrapped: its output bits depend on its own position and the
 keys at its visible positions, which is what the engine's exact mode needs (a call's last position moving the
-boundaries made one SmolLM2 prompt in four leave the K = 0 tokens at some K on the H200). A ring gives the bits
-of the flat cache it stands for (as models/exact_sdpa.cpp, which walks a row's positions at their slots). And the
+boundaries made one SmolLM2 prompt in four leave the K = 0 tokens at some K on the H200). Over a ring a row takes
+the positions, splits and tiles it takes over the flat cache the ring stands for (as models/exact_sdpa.cpp walks a
+row's positions at their slots), so it gets the same bits wherever the reduce merges as many splits at a time. The
 work follows the window and the context, not the cache: only the splits in [lo, end) are computed and merged.
 
 Kernel 1 (grid PROGRAMS x B*Hkv): a program owns one KV head and a run of consecutive splits of the call's range
