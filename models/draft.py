@@ -33,6 +33,12 @@ from models.config import DraftConfig
 from models.layers import MLP, Attention, RMSNorm, Rope, attention_mask, cached_mask, is_tracing, start_position
 
 
+# Where in the answer a round (a chain) starts: answer tokens [0,64), [64,256), [256,512), [512,1024), [1024,...).
+# The draft stage's held-out report (pipeline.train_draft) and bench.context pool acceptance by these, so a draft
+# that does not carry its acceptance deep into an answer shows it in both.
+POSITION_BUCKETS = (0, 64, 256, 512, 1024)
+
+
 def predicted_tau(acceptance) -> float:
     """Expected tokens per round of a chain of len(acceptance) proposals: 1 + sum_k prod_{i<=k} alpha_i.
 

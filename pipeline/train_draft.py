@@ -45,7 +45,7 @@ import torch
 from models import Eagle3Draft
 from pipeline import hardware
 from pipeline.schedule import warmup_cosine
-from models.draft import predicted_tau
+from models.draft import POSITION_BUCKETS, predicted_tau
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -188,11 +188,6 @@ def position_acceptance(hits: torch.Tensor, valid_all: torch.Tensor) -> tuple[li
     run = torch.cumprod(hits.to(torch.int64), dim=0).sum(0)[valid_all]  # [slots]
     N = hits.shape[0]
     return [int((run > i).sum()) for i in range(N)], [int((run >= i).sum()) for i in range(N)]
-
-
-# Buckets of the answer position a chain starts at: [0,64), [64,256), [256,512), [512,1024), [1024, ...). The
-# eval's and bench.context's buckets, so a draft that only learned short answers shows in its own report.
-POSITION_BUCKETS = (0, 64, 256, 512, 1024)
 
 
 def bucket_name(k: int) -> str:

@@ -35,7 +35,11 @@ Both report, on the held-out taps, `held_out_acc_i` (i = 0..N-1: top-1 agreement
 target; the per-step training metrics are `loss`, `loss_i`, `acc_i`, `lr`) and the draft's prediction of
 what the eval measures at K = N: `predicted_acceptance_pos_i` (acceptance at position i given position i is
 reached, from the leading run of agreeing steps, which on greedy taps is exactly what a chain of N started
-at that slot gets accepted) and `predicted_tau` (models.draft.predicted_tau of those).
+at that slot gets accepted) and `predicted_tau` (models.draft.predicted_tau of those); and the same by where in
+the answer the chain starts, `predicted_tau_pos_<lo>_<hi>` with `held_out_slots_pos_<lo>_<hi>` (answer tokens
+[0,64), [64,256), [256,512), [512,1024), [1024,...): train_draft.POSITION_BUCKETS, bench.context's buckets), for
+the buckets the held-out answers reach: a draft trained on short answers shows its fall there.
+With `train.long_every` the draft also trains on the taps' long split (train_draft.fit).
 """
 
 from __future__ import annotations

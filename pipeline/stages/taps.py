@@ -1,12 +1,14 @@
 """The taps stage: run the target over sequences and store what training the draft needs.
 
 Artifact (read with `pipeline.artifacts.load_taps(artifact.path, split)`):
-    taps.json                     layout: source, per-split sequence and prompt lengths, tap_layers,
-                                  hidden/vocab size, dtype, end token ids, shard files per split
+    taps.json                     layout: source, per-split sequence length and prompt lengths (a list),
+                                  tap_layers, hidden/vocab size, dtype, end token ids, shard files per split
     train-00000.safetensors ...   shards of `taps.shard_sequences` sequences of the train split (none for a
                                   loaded draft, `draft=load`: it reads the held-out split alone)
     held_out-00000.safetensors    the same for the held-out split (never trained on; draft eval reads it)
-Each shard holds, for n sequences of T tokens (taps.seq_len; held-out: taps.held_out_seq_len):
+    long-00000.safetensors        the long split, where taps.long_sequences > 0: train sequences at the lengths
+                                  the draft serves (the draft trains on them every draft.train.long_every steps)
+Each shard holds, for n sequences of T tokens (taps.seq_len; held_out_seq_len, long_seq_len):
     ids    int32[n,T]      tokens
     taps   dtype[n,T,3H]   cat(h_a, h_b, h_c) at the target's tap layers (fc-ready, tap order = fc order)
     final  dtype[n,T,H]    the target's last residual before the final norm: the draft stage turns it into
@@ -24,12 +26,16 @@ Each shard holds, for n sequences of T tokens (taps.seq_len; held-out: taps.held
 - `corpus`: windows of T corpus tokens, tapped with one stateless forward per batch; mask = everything.
 The held-out split may have its own lengths (`held_out_seq_len`, `held_out_prompt_len`) so that it mirrors
 the eval (runtime.prompt_len prompt tokens + runtime.max_new_tokens greedy ones), while the train split uses
-short sequences: for a fixed compute budget, more and shorter on-policy sequences train the draft better.
+short sequences: for a fixed compute budget, more and shorter on-policy sequences train the draft better. The
+long split (`long_seq_len`, `long_prompt_len`, `long_sequences`) is what short sequences cannot teach: the
+positions and attention spans of a long prompt and a long answer. A split's prompt length may be a list: a
+batch decodes over one set of cache positions, so batches take the lengths in turn (prompt_lengths), and a
+sequence's answer is T minus its prompt. A long prompt enters the target `PREFILL_CHUNK` tokens a call.
 
 Sequences of a split are fixed up front from `seed` (windows cut at random places of the split's documents),
 and shard i always holds the same sequences, so an interrupted run resumes shard by shard from the stage's
-scratch directory. Under torchrun (pipeline.distributed) shard j of the list of every shard (train, then
-held-out) belongs to rank j % N: each rank writes its own shards into the shared scratch directory (skipping
+scratch directory. Under torchrun (pipeline.distributed) shard j of the list of every shard (train,
+held-out, long) belongs to rank j % N: each rank writes its own shards into the shared scratch directory (skipping
 those already there), all ranks meet at a barrier, and rank 0 (the only one given an `out`) checks that every
 shard is there and assembles the artifact. A shard's sequences and batches do not depend on N, so the files
 are the ones a single rank writes, and N is not in the key (the report records `world_size` and `backend`).
