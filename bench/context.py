@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-BUCKETS = (0, 64, 256, 512, 1024)
+from models.draft import POSITION_BUCKETS as BUCKETS  # the draft stage's held-out report pools by the same
 
 
 def tau_by_position(results) -> dict[str, float | None]:

@@ -33,6 +33,12 @@ from models.config import DraftConfig
 from models.layers import MLP, Attention, RMSNorm, Rope, attention_mask, cached_mask, is_tracing, start_position
 
 
+# Where in the answer a round (a chain) starts: answer tokens [0,64), [64,256), [256,512), [512,1024), [1024,...).
+# The draft stage's held-out report (pipeline.train_draft) and bench.context pool acceptance by these, so a draft
+# that does not carry its acceptance deep into an answer shows it in both.
+POSITION_BUCKETS = (0, 64, 256, 512, 1024)
+
+
 def predicted_tau(acceptance) -> float:
     """Expected tokens per round of a chain of len(acceptance) proposals: 1 + sum_k prod_{i<=k} alpha_i.
 
@@ -165,43 +171,52 @@ class Eagle3Draft(nn.Module):
 
     # --- training-time test -------------------------------------------------------------------------
     def forward_ttt(self, tokens: torch.Tensor, feature: torch.Tensor, past_kv: list, step: int | None = None,
-                    position_offset: int | None = None):
+                    position_offset: int | None = None, first: int = 0):
         """One stateless training-time-test step i = len(past_kv) (EAGLE-3).
 
-        tokens [B,T], feature [B,T,H] are slot-aligned by the caller (step 0: fc(taps); step i: the g of
-        step i-1, with ids shifted by i). Slot t of step i stands for the draft cache entry at absolute
-        position t + i at inference, so RoPE uses positions t + position_offset (default: i).
-        Attention of (step i, slot t) sees step-0 keys at slots s <= t and the keys of steps 1..i at slot t
-        (the "diagonal"), which is exactly what the inference-time cache holds after a seed + i steps.
-        past_kv: [(k, v)] of steps 0..i-1, each [B, kv, T, hd] (RoPE applied).
-        Returns (logits [B,T,Vd], g [B,T,H], (k, v) of this step, to append to past_kv).
+        tokens, feature [B,T,H] are slot-aligned by the caller (step 0: fc(taps) over every slot; step i: the g
+        of step i-1, with ids shifted by i, over the query slots first..). Slot t of step i stands for the draft
+        cache entry at absolute position t + i at inference, so RoPE uses positions t + position_offset
+        (default: i). Attention of (step i, slot t) sees step-0 keys at slots s <= t and the keys of steps
+        1..i at slot t (the "diagonal"), which is exactly what the inference-time cache holds after a seed + i
+        steps. Only slots t >= `first` are queried: step 0 still projects keys at every slot (a long prompt
+        costs its keys, not its logits), which is all a later slot reads of an earlier one.
+        past_kv: [(k, v)] of steps 0..i-1, RoPE applied: step 0's [B, kv, S, hd] over every slot, later
+        steps' over the query slots.
+        Returns (logits [B,Q,Vd], g [B,Q,H] of the Q query slots, (k, v) of this step, to append to past_kv).
         """
         i = len(past_kv)
         if step is not None and step != i:
             raise ValueError(f"forward_ttt: step={step} but len(past_kv)={i}")
         B, T = tokens.shape
+        S = T if i == 0 else past_kv[0][0].shape[2]  # slots of step 0's keys
         layer = self.layers[0]
         attn = layer.self_attn
-        pos = torch.arange(T, device=tokens.device) + (i if position_offset is None else position_offset)
+        start = 0 if i == 0 else first  # the absolute slot of this step's first input
+        pos = torch.arange(start, start + T, device=tokens.device) + (i if position_offset is None else position_offset)
         cos, sin = self.rope.tables(pos)
         x, residual = layer.attn_input(self.embed_tokens(tokens), feature)
         q, k, v = attn.project(x, cos, sin)
+        if i == 0 and first:
+            q, residual = q[:, :, first:], residual[:, first:]
         keys = [k] if i == 0 else [past_kv[0][0]] + [kv[0] for kv in past_kv[1:]] + [k]
         vals = [v] if i == 0 else [past_kv[0][1]] + [kv[1] for kv in past_kv[1:]] + [v]
         rep = attn.n_heads // attn.n_kv_heads
         expand = (lambda t: t.repeat_interleave(rep, dim=1)) if rep > 1 else (lambda t: t)
         k0, v0 = expand(keys[0]), expand(vals[0])
-        causal = attention_mask(torch.arange(T, device=tokens.device), torch.arange(T, device=tokens.device), None)
+        causal = attention_mask(torch.arange(first, S, device=tokens.device), torch.arange(S, device=tokens.device),
+                                None)
         s0 = (torch.matmul(q, k0.transpose(-2, -1)) * attn.scale).masked_fill(~causal, float("-inf"))
+        Q = S - first
         if i == 0:
             p = torch.softmax(s0.float(), dim=-1).to(q.dtype)
             out = torch.matmul(p, v0)
         else:
-            kd = torch.stack([expand(t) for t in keys[1:]], dim=-2)  # [B,h,T,i,hd]
+            kd = torch.stack([expand(t) for t in keys[1:]], dim=-2)  # [B,h,Q,i,hd]
             vd = torch.stack([expand(t) for t in vals[1:]], dim=-2)
-            sd = (q.unsqueeze(-2) * kd).sum(-1) * attn.scale  # [B,h,T,i]
+            sd = (q.unsqueeze(-2) * kd).sum(-1) * attn.scale  # [B,h,Q,i]
             p = torch.softmax(torch.cat((s0, sd), dim=-1).float(), dim=-1).to(q.dtype)
-            out = torch.matmul(p[..., :T], v0) + (p[..., T:].unsqueeze(-1) * vd).sum(-2)
-        out = attn.o_proj(out.transpose(1, 2).reshape(B, T, attn.n_heads * attn.head_dim))
+            out = torch.matmul(p[..., :S], v0) + (p[..., S:].unsqueeze(-1) * vd).sum(-2)
+        out = attn.o_proj(out.transpose(1, 2).reshape(B, Q, attn.n_heads * attn.head_dim))
         g = layer.finish(residual, out)
         return self.logits(g), g, (k, v)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 PTE = "model.pte"
 TAPS_INDEX = "taps.json"
-TAPS_SPLITS = ("train", "held_out")
+TAPS_SPLITS = ("train", "held_out", "long")  # long: train sequences at the lengths the draft serves
 TAPS_FIELDS = ("ids", "taps", "final", "top1", "mask")
 
 

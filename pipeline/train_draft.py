@@ -45,7 +45,7 @@ import torch
 from models import Eagle3Draft
 from pipeline import hardware
 from pipeline.schedule import warmup_cosine
-from models.draft import predicted_tau
+from models.draft import POSITION_BUCKETS, predicted_tau
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -91,30 +91,42 @@ def token_counts(top1: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> tor
 
 # --- labels from the target -------------------------------------------------------------------------------
 @torch.no_grad()
-def labels(head: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], batch: Batch, t2d: torch.Tensor, used: torch.Tensor | None):
-    """(probs [B,T-1,Vd], top1 [B,T-1], valid [B,T-1], in_vocab [B,T-1]) for positions 1..T-1.
+def labels(head: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], batch: Batch, t2d: torch.Tensor,
+           used: torch.Tensor | None, first: int = 0):
+    """(probs [B,L,Vd], top1 [B,L], valid [B,L], in_vocab [B,L]) for positions first+1..T-1 (L = T-1-first).
 
     probs: the target's softmax restricted to the draft vocab (`used`, None = all) and renormalised;
     `head(final, used)` computes only those logits (Transformer.head's `rows`).
     valid: mask (the slot counts for acceptance); in_vocab: valid and the target's argmax is a draft token.
     """
-    logits = head(batch["final"][:, 1:].float(), used).float()
-    top1 = batch["top1"][:, 1:]
-    valid = batch["mask"][:, 1:].bool()
+    logits = head(batch["final"][:, 1 + first :].float(), used).float()
+    top1 = batch["top1"][:, 1 + first :]
+    valid = batch["mask"][:, 1 + first :].bool()
     return torch.softmax(logits, dim=-1), top1, valid, valid & t2d[top1]
 
 
+def first_slot(mask: torch.Tensor, n_steps: int) -> int:
+    """The first slot with a label that counts in any row of the batch (mask [B,T]): slot t's labels are the
+    positions t+1 .. t+n_steps, so the slots before it cost the draft nothing but their keys
+    (Eagle3Draft.forward_ttt's `first`): a long masked-out prompt costs its keys, not its logits."""
+    counted = mask[:, 1:].any(0).nonzero()
+    return max(0, int(counted[0]) - (n_steps - 1)) if len(counted) else 0
+
+
 # --- training-time test -----------------------------------------------------------------------------------
-def ttt_logits(draft: Eagle3Draft, ids: torch.Tensor, taps: torch.Tensor, n_steps: int) -> list[torch.Tensor]:
-    """Draft logits [B,S,Vd] of each TTT step i = 0..n_steps-1 over S = T - n_steps slots."""
+def ttt_logits(draft: Eagle3Draft, ids: torch.Tensor, taps: torch.Tensor, n_steps: int,
+               first: int = 0) -> list[torch.Tensor]:
+    """Draft logits [B,S-first,Vd] of each TTT step i = 0..n_steps-1 at slots first..S-1, S = T - n_steps."""
     T = ids.shape[1]
     S = T - n_steps
     if S < 1:
         raise ValueError(f"sequences of {T} tokens leave no slot for {n_steps} TTT steps (need T > N)")
+    first = min(first, S - 1)
     feature = draft.fuse(taps[:, :S].to(draft.fc.weight.dtype).chunk(3, dim=-1))
     past, out = [], []
     for i in range(n_steps):
-        logits, feature, kv = draft.forward_ttt(ids[:, 1 + i : 1 + i + S], feature, past, step=i)
+        lo = 0 if i == 0 else first  # step 0 reads every slot (its keys), later steps the query slots alone
+        logits, feature, kv = draft.forward_ttt(ids[:, 1 + i + lo : 1 + i + S], feature, past, step=i, first=first)
         past.append(kv)
         out.append(logits)
     return out
@@ -126,24 +138,26 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, head: Callable, n_steps: int, dec
     """(total loss, stats) for one batch: total = sum_i decay^i * loss_i (module docstring).
 
     stats: lists over steps i of `loss` (mean soft CE over in-vocab slots), `correct` and `count` (acceptance
-    over masked slots, an out-of-vocab target argmax counting as a miss), and `hits` [n_steps, B, S] bool
-    for the leading-run acceptance. `used` = draft vocab ids (None when the draft vocab is the whole vocab).
+    over masked slots, an out-of-vocab target argmax counting as a miss), `hits` [n_steps, B, Q] bool for the
+    leading-run acceptance at slots first .. S-1 and `first` (first_slot: slots before it have no counted
+    label). `used` = draft vocab ids (None when the draft vocab is the whole vocab).
 
     Data-parallel: `batch` is this rank's slice of the global batch, `sum_ranks` sums a tensor over the
     `world` ranks. loss_i is then world * (this slice's CE sum) / (the global batch's slot count), so that
     DistributedDataParallel's mean of the ranks' gradients is the gradient of the global batch's loss_i, and
     the mean of the ranks' `loss` is the global loss_i: the numbers one rank gets on the whole batch.
     """
-    probs, top1, valid, in_vocab = labels(head, batch, draft.t2d, used)
-    step_logits = ttt_logits(draft, batch["ids"], batch["taps"], n_steps)
-    S = step_logits[0].shape[1]
+    first = min(first_slot(batch["mask"], n_steps), batch["ids"].shape[1] - n_steps - 1)
+    probs, top1, valid, in_vocab = labels(head, batch, draft.t2d, used, first)
+    step_logits = ttt_logits(draft, batch["ids"], batch["taps"], n_steps, first)
+    Q = step_logits[0].shape[1]
     slots = None
     if sum_ranks is not None:  # counted slots of each step over the global batch
-        slots = sum_ranks(torch.stack([in_vocab[:, i : i + S].sum() for i in range(n_steps)]).float())
+        slots = sum_ranks(torch.stack([in_vocab[:, i : i + Q].sum() for i in range(n_steps)]).float())
     total = step_logits[0].new_zeros((), dtype=torch.float32)
-    stats = {"loss": [], "correct": [], "count": [], "hits": []}
+    stats = {"loss": [], "correct": [], "count": [], "hits": [], "first": first}
     for i, logits in enumerate(step_logits):
-        sl = slice(i, i + S)  # positions 1+i .. 1+i+S-1
+        sl = slice(i, i + Q)  # positions first+1+i .. first+Q+i
         p, t1, v, iv = probs[:, sl], top1[:, sl], valid[:, sl], in_vocab[:, sl]
         logits = logits.float()
         # soft CE per slot, weighted by in_vocab (cheaper than boolean indexing and its backward)
@@ -160,7 +174,7 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, head: Callable, n_steps: int, dec
         stats["correct"].append(int(hit.sum()))
         stats["count"].append(int(v.sum()))
         stats["hits"].append(hit)
-    stats["hits"] = torch.stack(stats["hits"])  # [N, B, S]
+    stats["hits"] = torch.stack(stats["hits"])  # [N, B, Q]: slots first .. S-1
     return total, stats
 
 
@@ -174,6 +188,32 @@ def position_acceptance(hits: torch.Tensor, valid_all: torch.Tensor) -> tuple[li
     run = torch.cumprod(hits.to(torch.int64), dim=0).sum(0)[valid_all]  # [slots]
     N = hits.shape[0]
     return [int((run > i).sum()) for i in range(N)], [int((run >= i).sum()) for i in range(N)]
+
+
+def bucket_name(k: int) -> str:
+    """`0_64`, ..., `1024_up`: bucket k of POSITION_BUCKETS in a metric name (predicted_tau_pos_<name>)."""
+    lo = POSITION_BUCKETS[k]
+    return f"{lo}_{POSITION_BUCKETS[k + 1]}" if k + 1 < len(POSITION_BUCKETS) else f"{lo}_up"
+
+
+def answer_position(mask: torch.Tensor, first: int, n_slots: int) -> torch.Tensor:
+    """int64 [B, n_slots]: the answer position of the first proposal of a chain started at slots first ..
+
+    A chain at slot t proposes token t+2 first; a row's answer starts one past its first counted position
+    (the prompt's last, whose prediction is the first generated token), so the proposal is answer token
+    t + 1 - first_counted: 0 is the prefill's own token, as in bench.context's `tau_by_position`. A row with
+    no counted position has no chain that counts."""
+    first_counted = mask.to(torch.int64).argmax(1)  # [B]
+    t = torch.arange(first, first + n_slots, device=mask.device)
+    return t[None, :] + 1 - first_counted[:, None]
+
+
+def position_bucket_acceptance(hits: torch.Tensor, valid_all: torch.Tensor,
+                               position: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    """position_acceptance over the slots of each POSITION_BUCKETS bucket of `position` (answer_position)."""
+    edges = list(POSITION_BUCKETS) + [None]
+    return [position_acceptance(hits, valid_all & (position >= lo) & (position < hi if hi is not None else True))
+            for lo, hi in zip(edges, edges[1:])]
 
 
 # --- optimisation -----------------------------------------------------------------------------------------
@@ -191,6 +231,14 @@ class TrainConfig:
     decay: float = 0.8
     seed: int = 0
     autocast: str | None = None  # None | "bfloat16": matmuls in bf16, loss and optimizer in fp32
+    long_every: int = 0  # every long_every-th step trains on long_batch_size rows of the long taps (0: never)
+    long_batch_size: int = 1
+
+
+def is_long_step(step: int, c: TrainConfig) -> bool:
+    """Step `step` trains on the long taps (sequences at the lengths the draft serves): the last of every
+    c.long_every steps, so the schedule, like the rest of a run, is a function of the step."""
+    return c.long_every > 0 and step % c.long_every == c.long_every - 1
 
 
 def lr_at(step: int, c: TrainConfig) -> float:
@@ -202,15 +250,17 @@ def make_optimizer(draft: Eagle3Draft, c: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay, foreach=False)
 
 
-def batch_rows(step: int, n_rows: int, c: TrainConfig) -> torch.Tensor:
-    """Row indices of step `step`: epoch = step // steps_per_epoch, a fresh permutation per (seed, epoch)."""
-    per_epoch = max(1, n_rows // c.batch_size)
+def batch_rows(step: int, n_rows: int, c: TrainConfig, batch_size: int | None = None, stream: int = 0) -> torch.Tensor:
+    """Row indices of step `step`: epoch = step // steps_per_epoch, a fresh permutation per (seed, stream,
+    epoch); `stream` 1 is the long taps' (step = the long step's number), `batch_size` its rows."""
+    batch_size = batch_size or c.batch_size
+    per_epoch = max(1, n_rows // batch_size)
     epoch, k = divmod(step, per_epoch)
-    g = torch.Generator().manual_seed(c.seed * 1_000_003 + epoch)
+    g = torch.Generator().manual_seed(c.seed * 1_000_003 + epoch + stream * 7_919_000_003)
     perm = torch.randperm(n_rows, generator=g)
-    if n_rows < c.batch_size:
+    if n_rows < batch_size:
         return perm
-    return perm[k * c.batch_size : (k + 1) * c.batch_size]
+    return perm[k * batch_size : (k + 1) * batch_size]
 
 
 def take(data: Batch, rows: torch.Tensor, device) -> dict[str, torch.Tensor]:
@@ -282,7 +332,9 @@ def train_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, batch: Batch, hea
 def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, device,
              used: torch.Tensor | None = None, batch_size: int | None = None, autocast: str | None = None) -> dict:
     """Held-out metrics over all rows of `data`: loss_i, acc_i, predicted_acceptance_pos_i and predicted_tau
-    (models.draft.predicted_tau of the per-position acceptance a chain of N would see on these taps).
+    (models.draft.predicted_tau of the per-position acceptance a chain of N would see on these taps), and per
+    bucket of the answer position a chain starts at (answer_position, POSITION_BUCKETS) that the rows reach,
+    predicted_tau_pos_<bucket> and slots_pos_<bucket> (the chains it pools).
 
     `autocast` None evaluates in float32, as the exported draft runs (training-time evals pass c.autocast).
     """
@@ -294,18 +346,23 @@ def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, de
     loss_sum = [0.0] * N
     correct, count = [0] * N, [0] * N
     accepted, reached = [0] * N, [0] * N
+    by_bucket = [([0] * N, [0] * N) for _ in POSITION_BUCKETS]
     for start in range(0, n_rows, bs):
         batch = take(data, torch.arange(start, min(n_rows, start + bs)), device)
         with autocast_ctx(torch.device(device), autocast):
             _, stats = ttt_loss(draft, batch, head, N, c.decay, used)
-        S = stats["hits"].shape[-1]
+        first, Q = stats["first"], stats["hits"].shape[-1]
         mask = batch["mask"].bool()
         # slots whose N labels (positions t+1 .. t+N) all count
-        valid_all = torch.stack([mask[:, 1 + i : 1 + i + S] for i in range(N)]).all(0)
+        valid_all = torch.stack([mask[:, first + 1 + i : first + 1 + i + Q] for i in range(N)]).all(0)
         acc_i, reach_i = position_acceptance(stats["hits"], valid_all)
+        buckets = position_bucket_acceptance(stats["hits"], valid_all, answer_position(mask, first, Q))
         for i in range(N):
             accepted[i] += acc_i[i]
             reached[i] += reach_i[i]
+            for (b_acc, b_reach), (a, r) in zip(by_bucket, buckets):
+                b_acc[i] += a[i]
+                b_reach[i] += r[i]
             loss_sum[i] += stats["loss"][i] * stats["count"][i]
             correct[i] += stats["correct"][i]
             count[i] += stats["count"][i]
@@ -316,6 +373,10 @@ def evaluate(draft: Eagle3Draft, data: Batch, head: Callable, c: TrainConfig, de
     alpha = [accepted[i] / reached[i] if reached[i] else 0.0 for i in range(N)]
     out.update({f"predicted_acceptance_pos_{i}": alpha[i] for i in range(N)})
     out["predicted_tau"] = predicted_tau(alpha) if reached[0] else float("nan")
+    for k, (b_acc, b_reach) in enumerate(by_bucket):
+        if b_reach[0]:  # a bucket the held-out answers reach
+            out[f"predicted_tau_pos_{bucket_name(k)}"] = predicted_tau([a / r if r else 0.0 for a, r in zip(b_acc, b_reach)])
+            out[f"slots_pos_{bucket_name(k)}"] = b_reach[0]
     out["slots"] = count[0]
     return out
 
@@ -340,10 +401,12 @@ def load_checkpoint(path: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, 
 def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None, c: TrainConfig, device, *,
         checkpoint: Path | None = None, checkpoint_every_s: float = 60.0, eval_every: int | None = None,
         log: Callable[[dict, int], None] | None = None, log_every: int = 1, used: torch.Tensor | None = None,
-        progress: bool = True) -> dict:
+        progress: bool = True, long: Batch | None = None) -> dict:
     """Train for c.steps steps (resuming from `checkpoint` if it exists), evaluating every `eval_every` steps
-    (default: once per epoch) and at the end. Returns the last held-out metrics plus run facts (`loss`: the
-    last step's training loss).
+    (default: once per epoch of `train`) and at the end. Returns the last held-out metrics plus run facts
+    (`loss`: the last step's training loss). With `long` (the long taps) every c.long_every-th step
+    (is_long_step) trains on c.long_batch_size of its rows instead: the draft meets the positions and
+    attention spans it serves at length, while most steps stay on the many short sequences.
 
     In a process group of N ranks (pipeline.distributed) `c.batch_size` stays the global batch: every rank
     draws the same rows for a step (batch_rows) and trains on its N-th of them (tensor_split) through
@@ -386,10 +449,14 @@ def fit(draft: Eagle3Draft, head: Callable, train: Batch, held_out: Batch | None
     governor = hardware.ThreadGovernor(device, what="draft training")
     for step in bar:
         step_t0 = time.perf_counter()
-        rows = batch_rows(step, n_rows, c)
+        source = long if long is not None and is_long_step(step, c) else train
+        if source is train:
+            rows = batch_rows(step, n_rows, c)
+        else:
+            rows = batch_rows(step // c.long_every, source["ids"].shape[0], c, c.long_batch_size, stream=1)
         if ddp is not None:
             rows = rows.tensor_split(world)[rank]
-        batch = take(train, rows, device)
+        batch = take(source, rows, device)
         m = train_step(draft, opt, batch, head, c, step, used, ddp)
         governor.tick(time.perf_counter() - step_t0)
         done = step + 1

@@ -57,7 +57,7 @@ def test_gpu_preset_fits_its_own_windows_and_passes_validation():
     check_config(gpu)
     assert gpu.target.model.n_layers > compose_cfg().target.model.n_layers
     assert gpu.taps.held_out_seq_len <= gpu.export.max_seq_len
-    assert gpu.target.model.max_seq_len == gpu.target.train.seq_len
+    assert gpu.target.model.max_seq_len == gpu.target.train.long_seq_len >= gpu.export.max_seq_len
     assert gpu.draft.draft_vocab_size >= gpu.target.tokenizer.vocab_size
 
 
@@ -74,7 +74,8 @@ def test_gpu_experiment_sizes_taps_and_draft_for_every_target(preset):
     TTT step for every K the .pte offers (ttt_steps follows export.max_m), and a GGUF target's subtree as the
     preset leaves it; the embedded default alone takes GPU model sizes (conf/target/tiny/gpu.yaml)."""
     plain, gpu = compose_cfg(f"target={preset}"), compose_cfg(f"target={preset}", "+experiment=gpu")
-    assert on_policy_tokens(plain) < GPU_TOKENS <= on_policy_tokens(gpu) == 8192 * 256
+    assert on_policy_tokens(plain) < GPU_TOKENS <= on_policy_tokens(gpu) == 2048 * 1024
+    assert gpu.runtime.max_new_tokens >= 1024, "answers at the length users ask for"
     assert gpu.taps.seq_len == gpu.taps.held_out_seq_len == gpu.runtime.prompt_len + gpu.runtime.max_new_tokens
     assert gpu.taps.prompt_len == gpu.taps.held_out_prompt_len == gpu.runtime.prompt_len == 64
     assert gpu.taps.seq_len <= gpu.export.max_seq_len
@@ -82,7 +83,7 @@ def test_gpu_experiment_sizes_taps_and_draft_for_every_target(preset):
     wider = compose_cfg(f"target={preset}", "+experiment=gpu", "export.max_m=6", "export.min_prefill_chunk=7")
     assert wider.draft.train.ttt_steps == 5, "one owner: ttt_steps follows export.max_m"
     # SmolLM2 asks for twice the steps (conf/target/smollm2_135m/gpu.yaml); the CPU preset keeps its own
-    assert (gpu.draft.train.steps, gpu.draft.train.batch_size) == (2400 if preset == "smollm2_135m" else 1200, 32)
+    assert (gpu.draft.train.steps, gpu.draft.train.batch_size) == (2400 if preset == "smollm2_135m" else 1200, 10)
     assert plain.draft.train.steps != gpu.draft.train.steps
     assert gpu.draft.draft_vocab_size == (8192 if preset == "tiny" else plain.draft.draft_vocab_size)
     assert gpu.draft.norm_before_residual == plain.draft.norm_before_residual  # a preset's own choice stays

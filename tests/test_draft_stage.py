@@ -76,6 +76,26 @@ def test_train_writes_a_speculators_draft_that_fits_the_target(env, trained):
     assert 1 <= r["predicted_tau"] <= 8 and r["steps"] == 6 and r["vocab_coverage"] == 1.0
 
 
+def test_train_on_long_taps_reports_predicted_tau_by_answer_position(env, tmp_path):
+    """taps.long_* + draft.train.long_every: the draft also trains on the long split, and its report carries
+    predicted tau by the answer position a chain starts at, for the buckets the held-out answers reach."""
+    cfg, _, _, upstream = env
+    cfg = OmegaConf.merge(cfg, {"taps": {"held_out_seq_len": 96, "held_out_prompt_len": 8, "long_seq_len": 96,
+                                         "long_prompt_len": [40, 60], "long_sequences": 12}})
+    store = Store(tmp_path)
+    long_taps = build(store, "taps", lambda out: taps.run(cfg, {"target": upstream["target"]}, out),
+                      {"target": upstream["target"]})
+    upstream = {"target": upstream["target"], "taps": long_taps}
+    r = run_draft(cfg, store, upstream, train={"long_every": 2, "long_batch_size": 2}).report
+    assert r["long_sequences"] == 12
+    names = [k for k in r if k.startswith("predicted_tau_pos_")]
+    assert names == ["predicted_tau_pos_0_64", "predicted_tau_pos_64_256"]  # answers of 88 tokens
+    assert all(1 <= r[k] <= 8 for k in names) and r["held_out_slots_pos_64_256"] > 0
+    with pytest.raises(ValueError, match="needs long taps"):
+        run_draft(OmegaConf.merge(cfg, {"taps": {"long_sequences": 0}}), store,
+                  {"target": upstream["target"], "taps": env[3]["taps"]}, train={"long_every": 2, "steps": 1})
+
+
 def test_train_logs_step_metrics_and_held_out_acceptance(trained):
     _, logged = trained
     steps = [m for _, m in logged if "loss" in m]

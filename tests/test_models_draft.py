@@ -127,6 +127,25 @@ def test_forward_ttt_attention_pattern_matches_naive_reference(pair):
 
 
 @torch.no_grad()
+def test_forward_ttt_from_a_first_slot_equals_the_full_unroll_there(pair):
+    """Querying slots first.. only (step 0 over every slot for its keys, later steps over the query slots) gives
+    the full unroll's logits and g at those slots: a long prompt needs its keys, not its queries."""
+    _, draft = pair
+    B, T, N, first = 2, 9, 3, 4
+    tokens = [torch.randint(0, 256, (B, T)) for _ in range(N)]
+    feat0 = torch.randn(B, T, 64)
+    full, part, feat, pfeat = [], [], feat0, feat0
+    for i in range(N):
+        logits, feat, kv = draft.forward_ttt(tokens[i], feat, [x[2] for x in full], step=i)
+        full.append((logits, feat, kv))
+        inputs = tokens[i] if i == 0 else tokens[i][:, first:]
+        logits, pfeat, kv = draft.forward_ttt(inputs, pfeat, [x[2] for x in part], step=i, first=first)
+        part.append((logits, pfeat, kv))
+        torch.testing.assert_close(logits, full[i][0][:, first:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pfeat, full[i][1][:, first:], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
 def test_forward_ttt_step_equals_inference_time_cache(pair):
     """Step i at slot t == the cached draft after a seed over 0..t and i single steps at t+1..t+i."""
     _, draft = pair

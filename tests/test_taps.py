@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from models import tiny_target
-from pipeline.artifacts import load_taps
+from pipeline.artifacts import load_taps, taps_index
 from pipeline.stages import taps
 from pipeline.store import Store
 
@@ -137,3 +137,69 @@ def test_the_size_estimate_is_the_shards_bytes(tmp_path, target_artifact):
     written = sum(p.stat().st_size for p in art.path.glob("*.safetensors"))
     estimate = taps.estimate_bytes(cfg, {"target": target_art})
     assert estimate <= written < estimate * 1.05, (estimate, written)  # + safetensors' headers
+
+
+@torch.no_grad()
+def test_a_prompt_prefilled_in_chunks_taps_what_one_call_taps():
+    target = tiny_target(seed=0, n_layers=3, max_seq_len=64)
+    prompts = torch.randint(2, 256, (2, 11))
+    whole = taps.generate_tapped(target, prompts, 20, chunk=64)
+    chunked = taps.generate_tapped(target, prompts, 20, chunk=4)  # 4 + 4 + 3 prompt tokens
+    assert torch.equal(whole["ids"], chunked["ids"]) and torch.equal(whole["top1"], chunked["top1"])
+    for name in ("taps", "final"):
+        torch.testing.assert_close(whole[name], chunked[name], rtol=1e-4, atol=1e-5)
+
+
+def test_prompt_lengths_go_by_batch_within_shards():
+    # shards of 5 sequences, batches of 2 within a shard: (2, 2, 1) a shard, each batch the next length
+    assert taps.prompt_lengths(12, (8, 12), per_shard=5, batch_size=2) == \
+        [8, 8, 12, 12, 8] + [12, 12, 8, 8, 12] + [8, 8]
+    assert taps.prompt_lengths(3, (7,), 5, 2) == [7, 7, 7]
+
+
+def test_the_long_split_has_prompts_of_each_length_and_its_own_shards(tmp_path, target_artifact):
+    """taps.long_*: sequences of long_seq_len tokens, batches taking the prompt lengths in turn; the mask of a
+    row starts at its own prompt's last position; the long split enters the key and resumes shard by shard."""
+    from pipeline.app import key_inputs
+
+    target_art, data_cfg = target_artifact
+    short = stage_cfg(data_cfg, prompt_len=[6, 10])
+    cfg = stage_cfg(data_cfg, prompt_len=[6, 10], long_seq_len=48, long_prompt_len=[20, 30], long_sequences=5)
+    assert key_inputs(cfg, taps) != key_inputs(short, taps)
+    assert taps.split_lengths(cfg.taps) == {"train": (32, (6, 10)), "held_out": (40, (12,)), "long": (48, (20, 30))}
+    assert taps.split_counts(cfg) == {"train": 10, "held_out": 4, "long": 5}
+    art = build(tmp_path / "a", cfg, target_art)
+    assert art.report["long_tokens"] == 5 * 48 and art.report["long_seq_len"] == 48
+    index = taps_index(art.path)
+    assert index["long_prompt_len"] == [20, 30] and index["train_prompt_len"] == [6, 10]
+    assert index["shards"]["long"] == ["long-00000.safetensors", "long-00001.safetensors"]
+    for split, T, lengths in (("train", 32, taps.prompt_lengths(10, (6, 10), 4, 3)),
+                              ("long", 48, taps.prompt_lengths(5, (20, 30), 4, 3))):
+        got = load_taps(art.path, split)
+        assert got["ids"].shape == (len(lengths), T) and got["taps"].shape == (len(lengths), T, 3 * 64)
+        for row, P in enumerate(lengths):
+            assert torch.equal(got["ids"][row, P:], got["top1"][row, P - 1 : -1])  # greedy from the prompt on
+            counted = got["mask"][row].nonzero()
+            assert int(counted[0]) == P - 1, (split, row, P)
+    assert sorted(set(taps.prompt_lengths(5, (20, 30), 4, 3))) == [20, 30]
+
+    real_write, calls = taps.write_shard, []
+
+    def crash_on_long(*args):
+        calls.append(args[0].name)
+        if args[0].name == "long-00001.safetensors":
+            raise KeyboardInterrupt("interrupted")
+        real_write(*args)
+
+    taps.write_shard = crash_on_long
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            build(tmp_path / "b", cfg, target_art)
+    finally:
+        taps.write_shard = real_write
+    resumed = build(tmp_path / "b", cfg, target_art)
+    assert resumed.report["shards_resumed"] == len(calls) - 1
+    for name in art.manifest["files"]:
+        if name.endswith(".safetensors"):
+            a, b = load_file(str(art.path / name)), load_file(str(resumed.path / name))
+            assert all(torch.equal(a[k], b[k]) for k in a), name

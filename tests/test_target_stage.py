@@ -75,6 +75,20 @@ def test_interrupted_training_resumes_to_the_same_model(tmp_path, monkeypatch):
     assert not scratch[0].exists(), "scratch removed after success"
 
 
+def test_the_last_steps_train_on_long_windows_at_the_same_tokens_per_step(tmp_path):
+    from omegaconf import OmegaConf
+
+    from pipeline.stages.target import window_shape
+
+    t = OmegaConf.create({"steps": 10, "batch_size": 8, "seq_len": 64, "long_steps": 3, "long_seq_len": 256})
+    assert [window_shape(s, t) for s in (0, 6, 7, 9)] == [(8, 64), (8, 64), (2, 256), (2, 256)]
+    assert window_shape(9, OmegaConf.create({"steps": 10, "batch_size": 8, "seq_len": 64})) == (8, 64)
+    art = run_target(tmp_path, "target.train.steps=6", "target.train.long_steps=2", "target.train.long_seq_len=128",
+                     "target.model.max_seq_len=128", "data.max_bytes=200000")
+    assert load_target(art.path).cfg.max_seq_len == 128  # RoPE and cache to the longest window trained
+    assert art.report["long_seq_len"] == 128 and math.isfinite(art.report["held_out_loss_long"])
+
+
 def write_hf_checkpoint(path: Path, tokenizer_from: Path) -> None:
     """A 2-layer llama checkpoint in Hugging Face layout, written by hand from a random tiny target."""
     model = tiny_target(seed=3, n_layers=2, vocab_size=512, max_seq_len=64)

@@ -171,3 +171,122 @@ def test_an_interrupted_run_resumes_bit_for_bit(tmp_path):
     # weights equal after 3 more AdamW steps means moments and step counts were restored, not re-initialised
     state = torch.load(ckpt, weights_only=True)["opt"]["state"]
     assert state and all(int(s["step"]) == 3 for s in state.values())
+
+
+@torch.no_grad()
+def test_ttt_from_the_first_counted_slot_equals_ttt_over_every_slot(pair):
+    """A masked-out prefix (a long prompt) costs its keys only: the logits, losses and hits of the slots that
+    have a counted label are those of the full unroll."""
+    target, draft = pair
+    batch = make_batch(target, B=3, T=20, seed=5)
+    batch["mask"][:, :9] = False  # the prompt: positions 0..8
+    batch["mask"][1, :11] = False
+    used = torch.arange(200) + draft.d2t
+    first = td.first_slot(batch["mask"], N)
+    assert first == 9 - (N - 1) - 1  # slot t's labels are t+1 .. t+N: the first counted position is 9
+    full = td.ttt_logits(draft, batch["ids"], batch["taps"], N)
+    part = td.ttt_logits(draft, batch["ids"], batch["taps"], N, first)
+    for i in range(N):
+        torch.testing.assert_close(part[i], full[i][:, first:], rtol=1e-4, atol=1e-5)
+    loss, stats = td.ttt_loss(draft, batch, target.head, N, used=used)
+    assert stats["first"] == first and stats["hits"].shape == (N, 3, 20 - N - first)
+    # the reference: the full unroll's loss and hits, restricted to nothing (the skipped slots have no label)
+    probs, top1, valid, in_vocab = td.labels(target.head, batch, draft.t2d, used)
+    S, total = 20 - N, 0.0
+    for i in range(N):
+        sl = slice(i, i + S)
+        ce = soft_ce(full[i], probs[:, sl])
+        loss_i = ce[in_vocab[:, sl]].mean()
+        assert stats["loss"][i] == pytest.approx(float(loss_i), rel=1e-4)
+        hit = (draft.to_target(full[i].argmax(-1)) == top1[:, sl]) & valid[:, sl]
+        assert torch.equal(stats["hits"][i], hit[:, first:]) and not hit[:, :first].any()
+        total += 0.8**i * loss_i
+    assert float(loss) == pytest.approx(float(total), rel=1e-4)
+
+
+def test_acceptance_by_answer_position_against_a_loop_reference(seed):
+    """position_bucket_acceptance(answer_position(...)) counts, per bucket of the answer position of a chain's
+    first proposal, what a slot-by-slot loop counts; fresh random hits, masks, prompt lengths and first slot."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, n = 3, 1200, 4
+    prompt = torch.randint(1, 400, (B,), generator=g)  # the first counted position is prompt - 1
+    mask = torch.arange(T)[None, :] >= prompt[:, None] - 1
+    mask &= torch.rand(B, T, generator=g) < 0.97  # an end token or a hole here and there
+    first = int(torch.randint(0, 300, (), generator=g))
+    Q = T - n - first
+    hits = torch.rand(n, B, Q, generator=g) < 0.7
+    valid_all = torch.stack([mask[:, first + 1 + i : first + 1 + i + Q] for i in range(n)]).all(0)
+    position = td.answer_position(mask, first, Q)
+    got = td.position_bucket_acceptance(hits, valid_all, position)
+
+    edges = list(td.POSITION_BUCKETS) + [10**9]
+    want = [([0] * n, [0] * n) for _ in td.POSITION_BUCKETS]
+    for b in range(B):
+        p = int(mask[b].nonzero()[0]) + 1  # the answer starts one past the first counted position
+        for j in range(Q):
+            t = first + j
+            if not all(mask[b, t + 1 + i] for i in range(n)):
+                continue
+            a = t + 2 - p  # the chain's first proposal is token t + 2
+            k = next(k for k in range(len(td.POSITION_BUCKETS)) if edges[k] <= a < edges[k + 1])
+            run = next((i for i in range(n) if not hits[i, b, j]), n)
+            for i in range(n):
+                want[k][0][i] += run > i
+                want[k][1][i] += run >= i
+    assert [(list(a), list(r)) for a, r in got] == want, seed
+    assert sum(r[0] for _, r in got) == int(valid_all.sum())  # every counted slot lies in one bucket
+
+
+@torch.no_grad()
+def test_held_out_report_names_a_bucket_where_the_answers_reach(pair):
+    target, draft = pair
+    batch = make_batch(target, B=2, T=30, seed=2)
+    batch["mask"][:, :4] = False  # answers of 26 tokens: only [0, 64) is reached
+    c = td.TrainConfig(batch_size=2, ttt_steps=N)
+    used = torch.arange(200) + draft.d2t
+    out = td.evaluate(draft, batch, target.head, c, "cpu", used)
+    assert [k for k in out if k.startswith("predicted_tau_pos_")] == ["predicted_tau_pos_0_64"]
+    assert out["predicted_tau_pos_0_64"] == pytest.approx(out["predicted_tau"])  # one bucket: the whole
+    assert [td.bucket_name(k) for k in range(len(td.POSITION_BUCKETS))] == \
+        ["0_64", "64_256", "256_512", "512_1024", "1024_up"]
+
+
+def test_long_steps_take_the_long_rows_and_resume_bit_for_bit(tmp_path):
+    target = tiny_target(seed=0, n_layers=3, max_seq_len=64)
+    data = {k: torch.cat([v, v.flip(0)]) for k, v in make_batch(target, B=3, T=12).items()}  # 6 short rows
+    long = make_batch(target, B=3, T=40, seed=4)
+    long["mask"][:, :30] = False  # a long prompt
+    head = target.head  # noqa: E731
+    c = td.TrainConfig(steps=6, batch_size=2, lr=3e-3, warmup=2, ttt_steps=N, seed=3, long_every=3,
+                       long_batch_size=2)
+    assert [s for s in range(6) if td.is_long_step(s, c)] == [2, 5]
+    seen = []
+    real_step = td.train_step
+
+    def spy(draft, opt, batch, *args, **kwargs):
+        seen.append(batch["ids"].shape)
+        return real_step(draft, opt, batch, *args, **kwargs)
+
+    straight = tiny_draft(target, seed=1)
+    td.train_step = spy
+    try:
+        td.fit(straight, head, data, None, c, "cpu", progress=False, long=long)
+    finally:
+        td.train_step = real_step
+    assert seen == [(2, 12), (2, 12), (2, 40), (2, 12), (2, 12), (2, 40)]
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_at_5(metrics, step):
+        if step == 5:
+            raise Interrupt
+
+    ckpt = tmp_path / "state.pt"
+    with pytest.raises(Interrupt):
+        td.fit(tiny_draft(target, seed=1), head, data, None, c, "cpu", checkpoint=ckpt, checkpoint_every_s=0,
+               log=stop_at_5, progress=False, long=long)
+    resumed = tiny_draft(target, seed=1)
+    assert td.fit(resumed, head, data, None, c, "cpu", checkpoint=ckpt, progress=False, long=long)["resumed_at"] == 4
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -35,7 +35,11 @@ Both report, on the held-out taps, `held_out_acc_i` (i = 0..N-1: top-1 agreement
 target; the per-step training metrics are `loss`, `loss_i`, `acc_i`, `lr`) and the draft's prediction of
 what the eval measures at K = N: `predicted_acceptance_pos_i` (acceptance at position i given position i is
 reached, from the leading run of agreeing steps, which on greedy taps is exactly what a chain of N started
-at that slot gets accepted) and `predicted_tau` (models.draft.predicted_tau of those).
+at that slot gets accepted) and `predicted_tau` (models.draft.predicted_tau of those); and the same by where in
+the answer the chain starts, `predicted_tau_pos_<lo>_<hi>` with `held_out_slots_pos_<lo>_<hi>` (answer tokens
+[0,64), [64,256), [256,512), [512,1024), [1024,...): train_draft.POSITION_BUCKETS, bench.context's buckets), for
+the buckets the held-out answers reach: a draft trained on short answers shows its fall there.
+With `train.long_every` the draft also trains on the taps' long split (train_draft.fit).
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     tc = train_config(dc, int(cfg.seed))
 
     if dc.kind == "train":
-        draft, report = train(cfg, target, load_taps(taps_art.path, "train"), held_out, tc, device)
+        draft, report = train(cfg, target, Path(taps_art.path), held_out, tc, device)
         if out is None:  # a rank other than 0: its share of the training is done, rank 0 stores the draft
             return {}
     elif out is None:  # draft=load has nothing to share across ranks
@@ -129,12 +133,17 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         **{f"predicted_acceptance_pos_{i}": round(held[f"predicted_acceptance_pos_{i}"], 4)
            for i in range(tc.ttt_steps)},
         "predicted_tau": round(held["predicted_tau"], 4),
+        # by the answer position a chain starts at, where the held-out answers reach (train_draft.POSITION_BUCKETS)
+        **{k: round(v, 4) for k, v in held.items() if k.startswith("predicted_tau_pos_")},
+        **{f"held_out_{k}": v for k, v in held.items() if k.startswith("slots_pos_")},
         "held_out_loss_0": round(held["loss_0"], 4),
         "held_out_slots": held["slots"],
         **distributed.describe(),  # world_size, backend: how it was trained (not in the key: same samples)
     })
-    log.info("draft (%s): held-out acc %s, predicted tau %.2f at K=%d", dc.kind,
-             " ".join(f"{held[f'acc_{i}']:.3f}" for i in range(tc.ttt_steps)), held["predicted_tau"], tc.ttt_steps)
+    log.info("draft (%s): held-out acc %s, predicted tau %.2f at K=%d (by answer position: %s)", dc.kind,
+             " ".join(f"{held[f'acc_{i}']:.3f}" for i in range(tc.ttt_steps)), held["predicted_tau"], tc.ttt_steps,
+             " ".join(f"{k[len('predicted_tau_pos_'):]}: {v:.2f}" for k, v in held.items()
+                      if k.startswith("predicted_tau_pos_")))
     return report
 
 
@@ -155,11 +164,12 @@ def draft_vocab_ids(draft) -> torch.Tensor | None:
 
 
 # --- draft=train ---------------------------------------------------------------------------------------
-def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.TrainConfig, device):
+def train(cfg: DictConfig, target, taps_path: Path, held_out: dict, tc: td.TrainConfig, device):
     from models import Eagle3Draft, draft_config_for
 
     dc = cfg.draft
     V = target.cfg.vocab_size
+    train_taps = load_taps(taps_path, "train")
     vm = td.build_vocab_map(td.token_counts(train_taps["top1"], train_taps["mask"], V), int(dc.draft_vocab_size))
     log.info("draft vocab: %d of %d target ids, covering %.2f%% of the target's argmax tokens", vm.size, V,
              100 * vm.coverage)
@@ -178,10 +188,13 @@ def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.Trai
     draft = draft.to(device)
     used = None if vm.size == V else vm.used.to(device)
 
+    long = load_taps(taps_path, "long") if tc.long_every and taps_index(taps_path)["shards"].get("long") else None
+    if tc.long_every and long is None:
+        raise ValueError(f"draft.train.long_every={tc.long_every} needs long taps (taps.long_sequences > 0)")
     result = td.fit(draft, target.head, train_taps, held_out if distributed.is_main() else None, tc, device,
                     checkpoint=scratch_dir() / CHECKPOINT, checkpoint_every_s=float(dc.train.checkpoint_every_s),
                     eval_every=dc.train.get("eval_every"), log=tracking.log_metrics if distributed.is_main() else None,
-                    log_every=int(dc.train.log_every), used=used)
+                    log_every=int(dc.train.log_every), used=used, long=long)
     report = {
         "params": sum(p.numel() for p in draft.parameters() if p.requires_grad),
         "vocab_coverage": round(vm.coverage, 4),
@@ -191,6 +204,7 @@ def train(cfg: DictConfig, target, train_taps: dict, held_out: dict, tc: td.Trai
         "train_seconds": round(result["train_seconds"], 1),
         "train_loss": result["loss"],  # the last step's, over the global batch (all ranks)
         "train_sequences": int(train_taps["ids"].shape[0]),
+        **({"long_sequences": int(long["ids"].shape[0])} if long is not None else {}),
         "autocast": tc.autocast or "float32",  # the matmul dtype used (pipeline.hardware resolves `auto`)
     }
     return draft, report

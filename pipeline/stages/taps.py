@@ -1,12 +1,14 @@
 """The taps stage: run the target over sequences and store what training the draft needs.
 
 Artifact (read with `pipeline.artifacts.load_taps(artifact.path, split)`):
-    taps.json                     layout: source, per-split sequence and prompt lengths, tap_layers,
-                                  hidden/vocab size, dtype, end token ids, shard files per split
+    taps.json                     layout: source, per-split sequence length and prompt lengths (a list),
+                                  tap_layers, hidden/vocab size, dtype, end token ids, shard files per split
     train-00000.safetensors ...   shards of `taps.shard_sequences` sequences of the train split (none for a
                                   loaded draft, `draft=load`: it reads the held-out split alone)
     held_out-00000.safetensors    the same for the held-out split (never trained on; draft eval reads it)
-Each shard holds, for n sequences of T tokens (taps.seq_len; held-out: taps.held_out_seq_len):
+    long-00000.safetensors        the long split, where taps.long_sequences > 0: train sequences at the lengths
+                                  the draft serves (the draft trains on them every draft.train.long_every steps)
+Each shard holds, for n sequences of T tokens (taps.seq_len; held_out_seq_len, long_seq_len):
     ids    int32[n,T]      tokens
     taps   dtype[n,T,3H]   cat(h_a, h_b, h_c) at the target's tap layers (fc-ready, tap order = fc order)
     final  dtype[n,T,H]    the target's last residual before the final norm: the draft stage turns it into
@@ -24,12 +26,16 @@ Each shard holds, for n sequences of T tokens (taps.seq_len; held-out: taps.held
 - `corpus`: windows of T corpus tokens, tapped with one stateless forward per batch; mask = everything.
 The held-out split may have its own lengths (`held_out_seq_len`, `held_out_prompt_len`) so that it mirrors
 the eval (runtime.prompt_len prompt tokens + runtime.max_new_tokens greedy ones), while the train split uses
-short sequences: for a fixed compute budget, more and shorter on-policy sequences train the draft better.
+short sequences: for a fixed compute budget, more and shorter on-policy sequences train the draft better. The
+long split (`long_seq_len`, `long_prompt_len`, `long_sequences`) is what short sequences cannot teach: the
+positions and attention spans of a long prompt and a long answer. A split's prompt length may be a list: a
+batch decodes over one set of cache positions, so batches take the lengths in turn (prompt_lengths), and a
+sequence's answer is T minus its prompt. A long prompt enters the target `PREFILL_CHUNK` tokens a call.
 
 Sequences of a split are fixed up front from `seed` (windows cut at random places of the split's documents),
 and shard i always holds the same sequences, so an interrupted run resumes shard by shard from the stage's
-scratch directory. Under torchrun (pipeline.distributed) shard j of the list of every shard (train, then
-held-out) belongs to rank j % N: each rank writes its own shards into the shared scratch directory (skipping
+scratch directory. Under torchrun (pipeline.distributed) shard j of the list of every shard (train,
+held-out, long) belongs to rank j % N: each rank writes its own shards into the shared scratch directory (skipping
 those already there), all ranks meet at a barrier, and rank 0 (the only one given an `out`) checks that every
 shard is there and assembles the artifact. A shard's sequences and batches do not depend on N, so the files
 are the ones a single rank writes, and N is not in the key (the report records `world_size` and `backend`).
@@ -47,7 +53,7 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -58,20 +64,25 @@ from pipeline.store import scratch_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the long split; prompt lengths are lists
 DISTRIBUTED = True  # under torchrun every rank runs a share of it (pipeline.app.Job.help)
 UPSTREAM = ("target",)
 CONFIG_KEYS = ("data", "taps", "seed")
 
 
 # --- the target, batched -----------------------------------------------------------------------------
+PREFILL_CHUNK = 256  # prompt tokens a prefill call takes: bounds its [B, h, chunk, P] scores and [B, chunk, V] logits
+
+
 @torch.no_grad()
-def generate_tapped(target, prompts: torch.Tensor, seq_len: int, tick=None) -> dict[str, torch.Tensor]:
+def generate_tapped(target, prompts: torch.Tensor, seq_len: int, tick=None,
+                    chunk: int = PREFILL_CHUNK) -> dict[str, torch.Tensor]:
     """Greedy continuation of prompts [B,P] to seq_len tokens; ids, taps, final, top1 of every position.
     `tick(seconds)` hears each decode step's time (a hardware.ThreadGovernor's).
 
     The target itself runs the batch, on a [B, kv, seq_len, hd] cache of its own layers (setup_cache), so
-    the states tapped here are the ones its exported methods compute; the batch-1 cache is restored after."""
+    the states tapped here are the ones its exported methods compute; the batch-1 cache is restored after.
+    The prompt goes in `chunk` tokens a call, so a long prompt's memory is a chunk's, not the prompt's."""
     B, P = prompts.shape
     dev = prompts.device
     ids = torch.zeros(B, seq_len, dtype=torch.int64, device=dev)
@@ -87,7 +98,8 @@ def generate_tapped(target, prompts: torch.Tensor, seq_len: int, tick=None) -> d
 
     target.setup_cache(B, seq_len)
     try:
-        nxt = step(prompts, torch.arange(P, device=dev))
+        for c in range(0, P, chunk):
+            nxt = step(prompts[:, c : c + chunk], torch.arange(c, min(P, c + chunk), device=dev))
         for t in range(P, seq_len):
             t0 = time.perf_counter()
             ids[:, t] = nxt
@@ -121,11 +133,28 @@ def generation_mask(ids: torch.Tensor, prompt_len: int, ends: list[int], mask_pr
 
 
 # --- sequences and shards -------------------------------------------------------------------------------
-def split_lengths(tc) -> dict[str, tuple[int, int]]:
-    """{split: (sequence length, prompt length)}; the held-out split may have its own (null = the train's)."""
-    T, P = int(tc.seq_len), int(tc.prompt_len)
+def split_lengths(tc) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """{split: (sequence length, prompt lengths)}. A split's prompt length is one value or a list (batches take
+    them in turn, prompt_lengths); the held-out split may have its own (null = the train's); the long split
+    exists where `long_sequences` > 0."""
+    def prompts(value) -> tuple[int, ...]:
+        return tuple(int(p) for p in value) if isinstance(value, (list, tuple, ListConfig)) else (int(value),)
+
+    T, P = int(tc.seq_len), prompts(tc.prompt_len)
     hT, hP = tc.get("held_out_seq_len"), tc.get("held_out_prompt_len")
-    return {"train": (T, P), "held_out": (int(hT) if hT is not None else T, int(hP) if hP is not None else P)}
+    out = {"train": (T, P), "held_out": (int(hT) if hT is not None else T, prompts(hP) if hP is not None else P)}
+    if int(tc.get("long_sequences") or 0):
+        out["long"] = (int(tc.long_seq_len), prompts(tc.long_prompt_len))
+    return out
+
+
+def prompt_lengths(n: int, prompt_lens: tuple[int, ...], per_shard: int, batch_size: int) -> list[int]:
+    """The prompt length of each of a split's n sequences: batch g of the split (batches of batch_size within
+    shards of per_shard sequences) takes prompt_lens[g % len]. A batch decodes over one set of cache positions,
+    so it has one prompt length; a sequence's length is a function of its index, so shards resume as before."""
+    per = -(-per_shard // batch_size)  # batches per shard
+    return [prompt_lens[((k // per_shard) * per + (k % per_shard) // batch_size) % len(prompt_lens)]
+            for k in range(n)]
 
 
 def shard_name(split: str, i: int) -> str:
@@ -150,7 +179,10 @@ def split_counts(cfg: DictConfig) -> dict[str, int]:
     """Sequences per split. A loaded draft (`draft=load`) reads the held-out split alone, so its taps hold no
     train split: generating one would be most of a load job's time (SmolLM2: 1,024 train sequences, 32 held out)."""
     loads = cfg.get("draft") is not None and cfg.draft.get("kind") == "load"
-    return {"train": 0 if loads else int(cfg.taps.train_sequences), "held_out": int(cfg.taps.held_out_sequences)}
+    counts = {"train": 0 if loads else int(cfg.taps.train_sequences), "held_out": int(cfg.taps.held_out_sequences)}
+    if int(cfg.taps.get("long_sequences") or 0):
+        counts["long"] = 0 if loads else int(cfg.taps.long_sequences)
+    return counts
 
 
 def key_extra(cfg: DictConfig) -> dict | None:
@@ -179,9 +211,9 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         raise ValueError(f"taps.source must be 'generate' or 'corpus', got {source!r}")
     lengths = split_lengths(tc)
     if source == "generate":
-        for split, (T, P) in lengths.items():
-            if not 1 <= P < T:
-                raise ValueError(f"taps ({split}): prompt length {P} must be in [1, sequence length {T})")
+        for split, (T, Ps) in lengths.items():
+            if not all(1 <= P < T for P in Ps):
+                raise ValueError(f"taps ({split}): prompt lengths {list(Ps)} must be in [1, sequence length {T})")
     dtype = getattr(torch, str(tc.dtype))
     device = distributed.device(cfg.device)
     target_dir = Path(upstream["target"].path)
@@ -200,30 +232,38 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         raise ValueError("data.prompt_format=chat needs taps.source=generate (the target answers the requests)")
     chat_template = load_chat_template(target_dir)
     counts = split_counts(cfg)
-    sequences = {}
+    per_shard, bs = int(tc.shard_sequences), int(tc.batch_size)
+    sequences, prompt_of = {}, {}
     for k, split in enumerate(TAPS_SPLITS):
-        T, P = lengths[split]
-        sequences[split] = prompts.cut(data.split(docs, split), tokenizer, counts[split],
-                                       P if source == "generate" else T, int(cfg.seed) * 1_000_003 + k,
-                                       fmt, chat_template)
-    log.info("taps: %s, %d train sequences of %d tokens, %d held-out of %d (%.1f s to read and cut)", source,
-             counts["train"], lengths["train"][0], counts["held_out"], lengths["held_out"][0],
+        if split not in lengths:
+            continue
+        T, Ps = lengths[split]
+        if source != "generate":  # windows of T corpus tokens
+            Ps = (T,)
+        prompt_of[split] = prompt_lengths(counts[split], Ps, per_shard, bs)
+        texts = data.split(docs, "held_out" if split == "held_out" else "train")
+        # one cut per prompt length; the first length keeps the split's own seed (a one-length split: as before)
+        cut = {P: iter(prompts.cut(texts, tokenizer, prompt_of[split].count(P), P,
+                                   (int(cfg.seed) * 1_000_003 + k) * (1 if j == 0 else 7_919) + j, fmt, chat_template))
+               for j, P in enumerate(dict.fromkeys(Ps))}
+        sequences[split] = [next(cut[P]) for P in prompt_of[split]]
+    log.info("taps: %s, %s (%.1f s to read and cut)", source,
+             ", ".join(f"{counts[s]} {s} sequences of {lengths[s][0]} tokens" for s in sequences),
              time.perf_counter() - t0)
 
     scratch = scratch_dir()
-    per_shard, bs = int(tc.shard_sequences), int(tc.batch_size)
     rank, world = distributed.rank(), distributed.world_size()
     # Every shard of both splits in one list; shard j belongs to rank j % world. A shard's sequences and its
     # batches (batch_size sequences at a time, within the shard) do not depend on the world size, so N ranks
     # write the very files one rank writes.
-    work = [(split, i) for split in TAPS_SPLITS for i in range((len(sequences[split]) + per_shard - 1) // per_shard)]
+    work = [(split, i) for split in sequences for i in range((len(sequences[split]) + per_shard - 1) // per_shard)]
     mine = [w for j, w in enumerate(work) if j % world == rank]
     resumed, generated, written, t_gen = 0, 0, 0, time.perf_counter()
     bar = tqdm(total=sum(min(per_shard, len(sequences[s]) - i * per_shard) for s, i in mine), desc="taps",
                unit="seq", mininterval=2.0, dynamic_ncols=True, disable=not distributed.is_main())
     governor = hardware.ThreadGovernor(device, what="taps")  # generation, like training, beside a busy neighbour
     for split, i in mine:
-        T, P = lengths[split]
+        T = lengths[split][0]
         name = shard_name(split, i)
         part = sequences[split][i * per_shard : (i + 1) * per_shard]
         if (scratch / name).is_file():
@@ -233,10 +273,10 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         generated += len(part) * T
         pieces = []
         for b in range(0, len(part), bs):
-            x = part[b : b + bs].to(device)
+            x = torch.stack(part[b : b + bs]).to(device)  # one prompt length a batch (prompt_lengths)
             piece = (generate_tapped(target, x, T, governor.tick) if source == "generate"
                      else tap_sequences(target, x))
-            piece["mask"] = (generation_mask(piece["ids"], P, ends, bool(tc.mask_prompt))
+            piece["mask"] = (generation_mask(piece["ids"], x.shape[1], ends, bool(tc.mask_prompt))
                              if source == "generate" else torch.ones_like(piece["ids"], dtype=torch.bool))
             pieces.append({k: v.cpu() for k, v in piece.items()})
             bar.update(len(x))
@@ -253,9 +293,9 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     if out is None:  # a rank other than 0: its shards are in scratch, rank 0 assembles the artifact
         return {}
 
-    shards: dict[str, list[str]] = {s: [] for s in TAPS_SPLITS}
-    tokens = {s: 0 for s in TAPS_SPLITS}
-    counted = {s: 0 for s in TAPS_SPLITS}
+    shards: dict[str, list[str]] = {s: [] for s in sequences}
+    tokens = {s: 0 for s in sequences}
+    counted = {s: 0 for s in sequences}
     for split, i in work:
         name = shard_name(split, i)
         if not (scratch / name).is_file():
@@ -265,13 +305,13 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         tokens[split] += mask.numel()
         counted[split] += int(mask.sum())
         shards[split].append(name)
-    for split in TAPS_SPLITS:
+    for split in sequences:
         for name in shards[split]:
             shutil.move(str(scratch / name), str(out / name))
     index = {
         "source": source,
-        **{f"{split}_{what}": n for split, (T, P) in lengths.items()
-           for what, n in (("seq_len", T), ("prompt_len", P if source == "generate" else 0))},
+        **{f"{split}_{what}": n for split, (T, Ps) in lengths.items()
+           for what, n in (("seq_len", T), ("prompt_len", list(Ps) if source == "generate" else [0]))},
         "tap_layers": list(target.cfg.taps), "hidden_size": target.cfg.hidden_size,
         "vocab_size": target.cfg.vocab_size, "dtype": str(tc.dtype), "end_ids": ends,
         "mask_prompt": bool(tc.mask_prompt) if source == "generate" else False, "shards": shards,
@@ -291,11 +331,13 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         "held_out_tokens": tokens["held_out"],
         "train_counted_tokens": counted["train"],
         "held_out_counted_tokens": counted["held_out"],
+        **({"long_seq_len": lengths["long"][0], "long_sequences": counts["long"], "long_tokens": tokens["long"],
+            "long_counted_tokens": counted["long"]} if "long" in sequences else {}),
         "bytes_written": bytes_written,
         "shards_resumed": resumed,
         "tokens_per_s": round(generated / gen_seconds, 1),  # of the target over shards built now, all ranks
         **distributed.describe(),  # world_size, backend: how it was built (not in the key: the files are the same)
     }
-    log.info("taps: %d train + %d held-out tokens, %.1f MB, %.1f s", tokens["train"], tokens["held_out"],
+    log.info("taps: %s tokens, %.1f MB, %.1f s", " + ".join(f"{n} {s}" for s, n in tokens.items()),
              bytes_written / 1e6, time.perf_counter() - t0)
     return report

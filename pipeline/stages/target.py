@@ -10,7 +10,10 @@ a byte-level BPE tokenizer first (pipeline.data), then a Llama-family Transforme
 windows of the token stream with AdamW, linear warmup and cosine decay. Batches are drawn from a
 generator seeded by (seed, step), so a run resumed from its checkpoint (every `checkpoint_every_s`, in the
 stage's scratch dir) takes exactly the steps an uninterrupted one would. Held-out loss is measured on
-fixed, evenly spaced windows of the held-out split.
+fixed, evenly spaced windows of the held-out split. The last `train.long_steps` steps take windows of
+`train.long_seq_len` tokens at the same tokens per step (window_shape): a model never trained at a distance
+does not attend across it (RoPE past its trained span), and most steps stay on short windows, whose
+attention is cheap; `held_out_loss_long` is the held-out loss on windows of that length.
 
 `target=hf target.path=DIR` loads a local Hugging Face checkpoint with models.load_hf_target (which
 validates it) and stores it converted to the format above: later stages never need to know where a
@@ -203,6 +206,15 @@ def batch_at(stream: torch.Tensor, step: int, batch_size: int, seq_len: int, see
     return windows[:, :-1], windows[:, 1:]
 
 
+def window_shape(step: int, t) -> tuple[int, int]:
+    """(rows, tokens) of step `step`'s windows: `seq_len`, or for the last `long_steps` steps `long_seq_len`
+    with as many rows as keep batch_size x seq_len tokens a step."""
+    long_steps, long_len = int(t.get("long_steps") or 0), t.get("long_seq_len")
+    if long_steps and step >= int(t.steps) - long_steps:
+        return max(1, int(t.batch_size) * int(t.seq_len) // int(long_len)), int(long_len)
+    return int(t.batch_size), int(t.seq_len)
+
+
 def held_out_windows(stream: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
     """n evenly spaced windows of seq_len + 1 tokens (shorter when the held-out split is short)."""
     seq_len = min(seq_len, len(stream) - 1)
@@ -286,7 +298,7 @@ def train(cfg: DictConfig, out: Path) -> dict:
         lr = warmup_cosine(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup, steps=t.steps)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = batch_at(train_stream, step, t.batch_size, t.seq_len, cfg.seed)
+        x, y = batch_at(train_stream, step, *window_shape(step, t), cfg.seed)
         x, y = x.to(device), y.to(device)
         with autocast:
             logits = model(x)
@@ -315,6 +327,11 @@ def train(cfg: DictConfig, out: Path) -> dict:
     bar.close()
     governor.close()
     train_seconds = time.perf_counter() - train_t0
+    long_rows, long_len = window_shape(int(t.steps) - 1, t)
+    held_long = None
+    if long_len > t.seq_len and len(held_stream) > long_len:  # the model at the length it was trained to last
+        held_long = evaluate(model, held_out_windows(held_stream, t.eval_batches * long_rows, long_len), long_rows,
+                             device)
 
     model = model.cpu().eval()
     save_target(model, out)
@@ -330,6 +347,7 @@ def train(cfg: DictConfig, out: Path) -> dict:
         "resumed_at": start,
         "loss": loss_ema,
         "held_out_loss": held_loss,
+        **({"held_out_loss_long": held_long, "long_seq_len": long_len} if held_long is not None else {}),
         # bits per byte: comparable across tokenizers (nats/token / ln 2 / bytes per token)
         "held_out_bpb": held_loss / math.log(2) / held_bytes_per_token if held_bytes_per_token else float("nan"),
         "tokens_per_s": tokens_done / train_seconds if train_seconds > 0 else float("nan"),
