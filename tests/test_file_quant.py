@@ -204,13 +204,25 @@ def test_the_config_check_refuses_the_file_schemes_without_a_gguf_target(tmp_pat
             check_config(cfg)
 
 
-def test_w4_file_puts_only_the_files_4_bit_linears_on_the_int4_kernels(converted):
+@torch.no_grad()
+def test_w4_file_puts_only_the_files_4_bit_linears_on_the_int4_kernels(converted, interpret):
     from kernels.transform import Int4Linear, SharedInputInt4, to_kernels
+    from models.quantize import dequantize_w4
 
-    target = load_target(converted).eval()
-    bits = file_bits(target, read_weight_types(converted), "engine.quant=w4_file", "engine.quant=w4_g32")
+    ref = load_target(converted, max_seq_len=32).eval()
+    bits = file_bits(ref, read_weight_types(converted), "engine.quant=w4_file", "engine.quant=w4_g32")
     dense = ("lm_head", *(name for name, b in bits.items() if b > 4))
-    to_kernels(target, max_m=4, group=32, dense=dense)
+    target = to_kernels(copy.deepcopy(ref), max_m=4, group=32, dense=dense)
+    for name, m in target.named_modules():  # the reference: the kernels' weights where they hold one, else its own
+        if isinstance(m, Int4Linear):
+            ref.get_submodule(name).weight.data = dequantize_w4(m.packed, m.scale_zero, m.group, torch.float32)
+    target, ref = target.to(torch.bfloat16), ref.to(torch.bfloat16)
+    tokens = torch.randint(0, target.cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
+    pos = 0
+    for T in (6, 3, 1):  # a prefill above max_m (dense path), then kernel-sized calls
+        args = (tokens[:, pos:pos + T], torch.arange(pos, pos + T))
+        assert rel(target(*args).float(), ref(*args).float()) < 2e-2, T
+        pos += T
     layer = target.layers[0]
     # q and k are 4-bit but v is not: no shared GEMM for them, which would hold v in 4 bits
     assert isinstance(layer.self_attn.q_proj, Int4Linear) and isinstance(layer.self_attn.k_proj, Int4Linear)
