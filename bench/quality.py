@@ -1,7 +1,8 @@
 """What 4 bits cost: held-out loss (nats per token) of the fp32 target, of each quantised .pte (its own
 target_verify) and of each GGUF (llama.cpp), beside each quantised one-token decoder's greedy tokens until its
 first difference from the fp32 target's. The loss is taken from every system's own logits over the same corpus
-windows, so a difference is the quantisation's and the kernels', not the windows'.
+windows, so a difference is the quantisation's and the kernels', not the windows'. What they save: the weight
+bytes one decode step reads (`decode_bytes` of our target as quantised, `gguf_decode_bytes` of a file).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import functools
 from pathlib import Path
 
 import torch
+
+from torch import nn
 
 from bench import llama_run
 
@@ -95,3 +98,48 @@ def quality(target_model, engines: dict, ggufs: dict[str, Path], rows: list[dict
     if "fp32_loss" in out:
         out["fp32_loss"] = round(out["fp32_loss"], 4)
     return out
+
+
+def decode_bytes(model: nn.Module) -> int:
+    """Bytes of weights one T = 1 step of `model` (as models.quantize leaves it) reads, as XNNPACK stores them:
+    an fp32 linear 4 per weight; an 8da8w one 1 per weight and an fp32 scale per row; a symmetric 8da4w one half a
+    byte per weight and a bf16 scale per group; a GroupOffsetLinear that, an fp32 offset per group and its
+    group-sum matrix; norms as stored; an embedding one row. A tied lm_head counts in full (the head reads it)."""
+    from models.quantize import GroupOffsetLinear
+
+    total, inside = 0, []
+    for name, m in model.named_modules():
+        if any(name.startswith(f"{g}.") for g in inside):
+            continue
+        bias = 0 if getattr(m, "bias", None) is None else 4 * m.bias.numel()
+        if isinstance(m, GroupOffsetLinear):
+            inside.append(name)
+            (N, K), G = m.main.weight.shape, m.offsets.in_features
+            total += N * K // 2 + 2 * N * G + 4 * N * G + 4 * G * K + (0 if m.main.bias is None else 4 * N)
+        elif isinstance(m, nn.Linear):
+            w, (N, K) = m.weight, m.weight.shape
+            kind = getattr(w, "target_dtype", None)
+            total += bias + (N * K + 4 * N if kind is torch.int8 else
+                             N * K // 2 + 2 * N * (K // w.block_size[1]) if kind is torch.int4 else N * K * w.element_size())
+        elif isinstance(m, nn.Embedding):
+            total += m.weight.shape[1] * m.weight.element_size()
+        else:
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total
+
+
+def gguf_decode_bytes(path: Path) -> int:
+    """Bytes of tensor data one decode step of llama.cpp on the GGUF at `path` reads: every tensor in its own
+    format, except the token table, of which a step reads one row unless the file has no output tensor and the
+    head multiplies by it (tied)."""
+    from models.gguf import _tensor_bytes, read_header
+
+    _, tensors, _ = read_header(path)
+    tied = not any(t.name == "output.weight" for t in tensors)
+    total = 0
+    for t in tensors:
+        n = _tensor_bytes(t, path)[1]
+        if t.name == "token_embd.weight":  # [vocab, hidden]: one row looked up, all of it multiplied when tied
+            n = n // t.shape[0] + (n if tied else 0)
+        total += n
+    return total

@@ -4,7 +4,9 @@ cached attention with T <= max_m.
 `to_kernels(model, max_m, group)` works in place and returns the model:
 - every `nn.Linear` becomes an `Int4Linear` (packed weights + per-group scale/zero buffers, bias kept);
   its forward is `dispatch.int4_linear`, i.e. the kernel for <= max_m rows, dequantise + dense above;
-  with fuse=True (the default) the linears that read one input (q/k/v, gate/up) share one GEMM;
+  with fuse=True (the default) the linears that read one input (q/k/v, gate/up) share one GEMM; a linear named
+  in `dense` (by its name in the model: "lm_head", "layers.3.mlp.down_proj") keeps its weights, and the
+  linears it shares an input with are then not fused (one GEMM holds one precision);
 - every `models.layers.Attention` gets a subclass whose `forward` records `input_pos` for the duration of
   the call and whose `attend` runs `dispatch.attention` (sdpa_midm for T <= max_m, torch SDPA above) on
   the cached path; the stateless path (input_pos None) keeps the model's own attention. A ring layer
@@ -115,10 +117,12 @@ class _Member(nn.Module):
 _SHARED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _fuse_shared_inputs(module: nn.Module, group: int, max_m: int) -> None:
+def _fuse_shared_inputs(module: nn.Module, group: int, max_m: int, dense: set[str] = frozenset()) -> None:
+    """The _SHARED linears of `module` as one SharedInputInt4 each, unless one of them is in `dense` (their names
+    in `module`)."""
     for names in _SHARED:
         linears = [getattr(module, n, None) for n in names]
-        if all(isinstance(l, nn.Linear) for l in linears):
+        if all(isinstance(l, nn.Linear) for l in linears) and not dense.intersection(names):
             shared = SharedInputInt4(linears, group, max_m)
             module.add_module("_".join(n.split("_")[0] for n in names) + "_fused", shared)
             for i, n in enumerate(names):
@@ -193,8 +197,8 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
     fuse=True: q/k/v and gate/up each become one GEMM over concatenated weights (SharedInputInt4), as
     vLLM's QKV and gate|up layers do (fewer, larger launches: faster at T <= max_m, docs/results.md).
     norm_rope=True: RMSNorm, RoPE and the SwiGLU product as one launch each (kernels.norm_rope).
-    dense: names of linears that keep their weights (e.g. "lm_head": the output layer is where 4 bits cost
-    a real model most, docs/results.md)."""
+    dense: names in `model` of linears that keep their weights ("lm_head": the output layer is where 4 bits cost a
+    real model most, docs/results.md; engine.quant=w4_file adds those its GGUF holds in more than 4 bits)."""
     check_max_m(max_m)
     windows = {}
     cfg = getattr(model, "cfg", None)
@@ -206,9 +210,10 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
         attn = getattr(layer, "self_attn", None)
         if attn is not None and cfg is not None and hasattr(cfg, "window"):
             windows[id(attn)] = cfg.window(i) or 0
-    for module in list(model.modules()):
+    for prefix, module in list(model.named_modules()):
+        here = {n[len(prefix) + 1:] if prefix else n for n in dense if not prefix or n.startswith(prefix + ".")}
         if fuse:
-            _fuse_shared_inputs(module, group, max_m)
+            _fuse_shared_inputs(module, group, max_m, here)
         if isinstance(module, Attention) and not isinstance(module, _KernelAttention):
             module.__class__ = _kernel_class(type(module))
             module.max_m = max_m
@@ -221,7 +226,7 @@ def to_kernels(model: nn.Module, max_m: int = 8, group: int = 128, fuse: bool = 
             module.__class__ = KernelMLP
             module.kernel_swiglu = norm_rope
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and name not in dense:
+            if isinstance(child, nn.Linear) and name not in here:
                 setattr(module, name, Int4Linear(child, group, max_m))
     for owner in model.modules():
         if "slot_pos" in owner._buffers:  # a Transformer: its ring layers read its slot positions

@@ -20,6 +20,10 @@ target=hf produces from a checkpoint directory, in four steps, each timed (`GGUF
    transformers' on a fixed sequence and a difference above LOGIT_TOLERANCE (relative) is refused, so a
    target that loads but computes something else never reaches a later stage.
 
+Beside the weights, `weight_types` records the file's precision: the GGML type (Q4_K, Q6_K, Q8_0, F32, ...) of the
+tensor each of our weights came from, under our names, which the target stage keeps in its artifact
+(`WEIGHT_TYPES`) for the quantisation schemes that follow the file (models.quantize.file_bits).
+
 The tokenizer keeps transformers' rebuild except for two things it gets wrong: where the file sets
 `tokenizer.ggml.add_bos_token` / `add_eos_token`, those decide whether encoding adds BOS / EOS (llama.cpp's
 meaning; transformers adds BOS whatever the file says), and a SentencePiece vocabulary that transformers
@@ -214,6 +218,7 @@ class GGUFInfo:
     eos_id: int | None
     has_chat_template: bool
     metadata: dict = field(repr=False, compare=False, default_factory=dict)  # every key, as read_header reads it
+    tensor_table: dict = field(repr=False, compare=False, default_factory=dict)  # GGUF tensor name -> type name
 
     def quantisation(self) -> str:
         """The tensor types, most frequent first: "Q4_1 210, F32 61, Q8_0 1"."""
@@ -249,10 +254,11 @@ def inspect_gguf(path) -> GGUFInfo:
     path = Path(path)
     metadata, tensors, data_start = read_header(path)
     size = path.stat().st_size
-    types, end = Counter(), data_start
+    types, table, end = Counter(), {}, data_start
     for t in tensors:
         kind, n_bytes = _tensor_bytes(t, path)
         types[kind] += 1
+        table[t.name] = kind
         end = max(end, data_start + t.offset + n_bytes)
     if end > size:
         raise GGUFError(f"{path} ({size:,} bytes) is truncated: its tensor data extends to byte {end:,}")
@@ -291,7 +297,7 @@ def inspect_gguf(path) -> GGUFInfo:
         tensor_types=dict(types), tokenizer_model=tok_model, n_tokens=n_tokens,
         add_bos=flag("tokenizer.ggml.add_bos_token"), add_eos=flag("tokenizer.ggml.add_eos_token"),
         bos_id=token_id("tokenizer.ggml.bos_token_id"), eos_id=token_id("tokenizer.ggml.eos_token_id"),
-        has_chat_template="tokenizer.chat_template" in metadata, metadata=metadata,
+        has_chat_template="tokenizer.chat_template" in metadata, metadata=metadata, tensor_table=table,
     )
 
 
@@ -421,6 +427,7 @@ class GGUFTarget:
     info: GGUFInfo
     logit_rel_error: float
     seconds: dict[str, float]  # header, tokenizer, dequantise, check
+    weight_types: dict[str, str]  # our state_dict key -> the GGML type the file stores it in (`weight_types`)
 
 
 def dense_gguf_kwargs() -> dict:
@@ -487,12 +494,51 @@ def read_gguf(path, *, max_seq_len: int | None = None, tap_layers=None, progress
         raise GGUFError(f"{path}: our {info.architecture} target disagrees with transformers' model of the "
                         f"same file: relative logit error {rel:.2e} over {CHECK_TOKENS} tokens "
                         f"(tolerance {LOGIT_TOLERANCE:g})")
+    types = weight_types(info, hf_model, model.cfg)
     del hf_model
     seconds["check"] = time.perf_counter() - t0
     log.info("gguf: %s params, %d layers, logits within %.1e of transformers' (%.1f s)",
              f"{sum(p.numel() for p in model.parameters()):,}", model.cfg.n_layers, rel, seconds["check"])
     return GGUFTarget(model=model, tokenizer=tokenizer, chat_template=chat_template, info=info,
-                      logit_rel_error=rel, seconds=seconds)
+                      logit_rel_error=rel, seconds=seconds, weight_types=types)
+
+
+# --- the file's precision per weight ------------------------------------------------------------------
+WEIGHT_TYPES = "weight_types.json"  # in a target artifact converted from a GGUF (pipeline/stages/target.py)
+
+
+def weight_types(info: GGUFInfo, hf_model, cfg) -> dict[str, str]:
+    """Our state_dict key -> the GGML type name (gguf.GGMLQuantizationType) of the file's tensor it was
+    dequantised from, for every weight of our target (`cfg`, a models.TargetConfig).
+
+    The names go through transformers' own map from GGUF names to its model's (get_gguf_hf_weights_map, the one
+    its loader used on `hf_model`) and then models.hf.hf_weight_names, the one map from those to ours, so the
+    type of a weight is by construction that of the tensor that filled it. A tied lm_head takes the token
+    table's type: llama.cpp multiplies by token_embd where the file has no output tensor. A weight of ours that
+    no tensor of the file reaches is refused (GGUFError), so a scheme that follows the file never guesses."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    from models.hf import hf_weight_names
+
+    processor = TENSOR_PROCESSORS.get(info.architecture, TensorProcessor)(config=hf_model.config.to_dict())
+    hf_of_gguf = get_gguf_hf_weights_map(hf_model, processor)
+    ours_of_hf = hf_weight_names(cfg)  # transformers reads every GGUF as a causal LM (its tensors under model.)
+    types = {ours_of_hf[hf]: info.tensor_table[name] for name, hf in hf_of_gguf.items()
+             if hf in ours_of_hf and name in info.tensor_table}
+    if cfg.tie_embeddings and "embed_tokens.weight" in types:
+        types["lm_head.weight"] = types["embed_tokens.weight"]
+    missing = sorted(set(ours_of_hf.values()) - set(types))
+    if missing:
+        raise GGUFError(f"{info.path}: no tensor of the file maps to {len(missing)} weights of our "
+                        f"{info.architecture} target (first: {', '.join(missing[:3])}), so their GGML types are unknown")
+    return dict(sorted(types.items()))
+
+
+def read_weight_types(target_dir) -> dict[str, str] | None:
+    """The target artifact's `WEIGHT_TYPES` ({our state_dict key: GGML type name}), or None for a target that did
+    not come from a GGUF (target=tiny or hf: no file decides its precision)."""
+    path = Path(target_dir) / WEIGHT_TYPES
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 @torch.no_grad()

@@ -10,7 +10,13 @@ quantisers ask `grid_4bit` which groups are grids and keep those as they are.
   replaces each linear by a `GroupOffsetLinear`, the same GEMM plus a float offset per group (`offset_groups`),
   which keeps a grid group exactly and rounds any other asymmetrically. `quantize` applies an `export.quant` scheme
   to a Speculator: `8da4w_draft` the draft's linears symmetric (its numerics move acceptance only), `8da4w_offsets`
-  the target's with offsets too.
+  the target's with offsets too, `8da_file` the target's at its GGUF's precision (below).
+- 8da8w, for the .pte too (`quantize_8da8w`, torchao; XNNPACK's qc8w GEMM): int8 dynamic per-token activations x
+  int8 weights with one scale per output row.
+- following the file: a target converted from a GGUF records the GGML type of each weight (models.gguf.WEIGHT_TYPES)
+  and `file_bits` maps it to 4, 8 or 32 bits (`FILE_BITS`). `quantize_file` (`export.quant=8da_file`) gives the
+  file's 4-bit tensors offset groups, its 5- to 8-bit ones 8da8w and keeps its float ones fp32, so no weight is
+  held in fewer bits than the file holds it; the CUDA engine's `w4_file` keeps the non-4-bit ones in bf16.
 - w4, for the CUDA engine's INT4 kernels (`engine.quant`, models.choices.CUDA_QUANTS; kernels/int4_gemm.py runs
   it): weight-only 4-bit in groups of 32 or 128 (`W4_GROUPS`), activations in bf16. `quantize_w4` writes the
   kernels' format, packed uint8 [N, K/2] (byte j of row n: k = 2j in the low nibble, k = 2j+1 in the high one)
@@ -133,15 +139,97 @@ def quantize_8da4w_offsets(module: nn.Module, group_size: int) -> list[str]:
     return skipped
 
 
-def quantize(speculator: nn.Module, quant: str, group_size: int) -> list[str]:
+# --- following the file: a GGUF target's own precision per weight ------------------------------------------
+# GGML type names (gguf.GGMLQuantizationType) by the bits our schemes give them. A file's 5- to 8-bit tensors
+# (most of a Q4_K_M: Gemma 3's q, k, v, gate, up and half its down and v are Q5_0, Q6_K or Q8_0) lose what 4
+# bits cannot hold when rounded down to them, so they keep 8 bits; its float tensors stay float.
+FILE_BITS = {
+    **dict.fromkeys(("F64", "F32", "F16", "BF16"), 32),
+    **dict.fromkeys(("Q8_0", "Q8_1", "Q8_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"), 8),
+    **dict.fromkeys(("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q3_K", "IQ3_XXS", "IQ3_S", "Q2_K",
+                     "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"), 4),
+}
+
+
+def file_bits(module: nn.Module, weight_types: dict[str, str] | None, scheme: str, instead: str) -> dict[str, int]:
+    """{name of each nn.Linear of `module`: 4, 8 or 32}, the bits the file holds its weight in (`FILE_BITS` of
+    its GGML type; `weight_types`: a GGUF target artifact's models.gguf.WEIGHT_TYPES, where a tied lm_head has its
+    token table's type).
+
+    `scheme` (`export.quant=8da_file` or `engine.quant=w4_file`) names the setting in the refusals and `instead`
+    the one to take without a file. A target that did not come from a GGUF (weight_types None) has no file to
+    follow and is refused rather than given other bits: a program whose report names a precision it does not
+    have would be measured as the file's. So is a linear without a type and a type with no place in FILE_BITS."""
+    if weight_types is None:
+        raise ValueError(f"{scheme} follows the precision of the GGUF file the target was converted from, and this "
+                         f"target has none (target=tiny or target=hf: its artifact has no weight_types.json); take "
+                         f"{instead}, or a target=gguf target")
+    bits = {}
+    for name, m in module.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        kind = weight_types.get(f"{name}.weight")
+        if kind not in FILE_BITS:
+            raise ValueError(f"{scheme}: the target's {name}.weight has "
+                             + (f"GGML type {kind}, which has no precision in models.quantize.FILE_BITS"
+                                if kind else "no GGML type in its weight_types.json"))
+        bits[name] = FILE_BITS[kind]
+    return bits
+
+
+def quantize_8da8w(module: nn.Module, names: set[str]) -> None:
+    """8da8w in place (torchao; XNNPACK's qc8w GEMM): the nn.Linears named, int8 dynamic per-token activations x
+    int8 weights, one scale per output row. A tied weight is replaced on the linear only, so the embedding that
+    shares it keeps its fp32 table."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerAxis
+
+    quantize_(module, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0)),
+              filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in names)
+
+
+def quantize_file(module: nn.Module, weight_types: dict[str, str] | None, group_size: int) -> dict[str, list[str]]:
+    """`export.quant=8da_file` on a target in place: each linear at the file's precision (`file_bits`): a 4-bit
+    one a GroupOffsetLinear (a 4-bit GGUF block is a grid it keeps), an 8-bit one 8da8w, a float one fp32. A
+    4-bit linear whose in_features group_size does not divide keeps 8 bits. -> {"4": names, "8": names, "32":
+    names}, the linears at each precision."""
+    bits = file_bits(module, weight_types, "export.quant=8da_file", "export.quant=8da4w_offsets")
+    eligible, _ = _eligible(module, group_size)
+    four = [n for n, b in bits.items() if b == 4 and n in eligible]
+    eight = {n for n, b in bits.items() if b == 8 or (b == 4 and n not in eligible)}
+    quantize_8da8w(module, eight)
+    for name in four:
+        parent, _, attr = name.rpartition(".")
+        owner = module.get_submodule(parent) if parent else module
+        setattr(owner, attr, GroupOffsetLinear(getattr(owner, attr), group_size))
+    return {"4": four, "8": sorted(eight), "32": sorted(n for n, b in bits.items() if b == 32)}
+
+
+def linear_bits(module: nn.Module) -> dict[str, int]:
+    """{name of each linear of `module` as quantised: 4 (a GroupOffsetLinear or a torchao int4 weight), 8 (a
+    torchao int8 weight) or 32 (fp32)}; a GroupOffsetLinear's inner linears are counted in it."""
+    bits = {}
+    for name, m in module.named_modules():
+        if isinstance(m, GroupOffsetLinear):
+            bits[name] = 4
+        elif isinstance(m, nn.Linear) and not any(name.startswith(f"{g}.") for g in bits):
+            bits[name] = {torch.int4: 4, torch.int8: 8}.get(getattr(m.weight, "target_dtype", None), 32)
+    return bits
+
+
+def quantize(speculator: nn.Module, quant: str, group_size: int, weight_types: dict[str, str] | None = None) -> list[str]:
     """`export.quant` applied to a models.Speculator in place: `8da4w_draft` quantizes the draft's linears
     (symmetric 8da4w: its numerics move acceptance only, never the output, and the symmetric step is the cheaper
-    one), `8da4w_offsets` the target's too, with group offsets, `fp32` nothing. -> the linears left in fp32."""
+    one), `8da4w_offsets` the target's too, with group offsets, `8da_file` the target's at the precision of the
+    GGUF it came from (`quantize_file`; `weight_types`: its artifact's), `fp32` nothing. -> the linears left in
+    fp32."""
     if quant == "fp32":
         return []
     skipped = [f"draft.{n}" for n in quantize_8da4w(speculator.draft, group_size)]
     if quant == "8da4w_offsets":
         skipped += [f"target.{n}" for n in quantize_8da4w_offsets(speculator.target, group_size)]
+    if quant == "8da_file":
+        skipped += [f"target.{n}" for n in quantize_file(speculator.target, weight_types, group_size)["32"]]
     return skipped
 
 

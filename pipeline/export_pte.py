@@ -32,7 +32,7 @@ export.default_chain), get_max_seq_len, get_vocab_size (V), get_draft_vocab_size
 get_min_prefill_chunk, get_manifest_hash (64 hex chars tying the program to its target, tokenizer and draft; the
 export stage computes it), get_d2t (int64[Vd]: target id = draft id + d2t[draft id]), get_hidden_size (H),
 get_sliding_window (the smallest window of any target layer, 0 for none), get_backend (export.backend), get_quant
-(export.quant: fp32 | 8da4w_draft | 8da4w_offsets, models.quantize).
+(export.quant: fp32 | 8da4w_draft | 8da4w_offsets | 8da_file, models.quantize).
 
 Baked: the weights, d2t, max_m, the T ranges and the constants. Chosen at run time: K, the policy, sampling, stop
 tokens, the prompt. No target range straddles the dispatch rule (kernels.rule.use_small_m, docs/design.md §5:
@@ -61,7 +61,7 @@ from tqdm.auto import tqdm
 from kernels.rule import SMALL_M_LIMIT, use_small_m
 from models import quiet
 from models.choices import EXPORT_BACKENDS, EXPORT_QUANTS
-from models.quantize import GroupOffsetLinear, quantize
+from models.quantize import GroupOffsetLinear, linear_bits, quantize
 from models.speculator import chain_methods
 from models.target import kv_cache_bytes, ring_slots
 from pipeline.pte_segments import data_layout, share_constant_bytes
@@ -504,11 +504,13 @@ def lower_in_forks(lower, names: list[str], workers: int):
 def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                min_prefill_chunk: int, backend: str = "xnnpack", quant: str = "fp32", group_size: int = 32,
                out_path: Path | str, manifest_hash: str, progress: bool = True, draft_chains: bool = True,
-               attention: str = "llama_ops", fc_norms: bool = True, scratch: Path | None = None) -> dict:
+               attention: str = "llama_ops", fc_norms: bool = True, scratch: Path | None = None,
+               weight_types: dict[str, str] | None = None) -> dict:
     """Lower `speculator` (a models.Speculator) into one .pte at `out_path`; return a JSON-able report.
 
     quant="8da4w_offsets" quantizes `speculator` IN PLACE, "8da4w_draft" its draft (the stage loads a fresh one;
-    copy first to keep fp32).
+    copy first to keep fp32); "8da_file" its target at the precision of the GGUF that `weight_types` (the target
+    artifact's models.gguf.WEIGHT_TYPES) records, refused without one.
     `attention` is the cached path the methods are traced with (`pick_attention`), `fc_norms` makes every
     RMSNorm's mean a linear (RMSNorm.set_fc_mean); the speculator's caches are reallocated empty, the target's
     windowed layers on rings for the widest target call, max(max_prefill_chunk, max_m) rows (Transformer.setup_cache).
@@ -555,12 +557,14 @@ def export_pte(speculator: nn.Module, *, max_m: int, default_chain: int, max_pre
     speculator.eval()
     if quant != "fp32":
         report["group_size"] = group_size
-        report["fp32_linears"] = quantize(speculator, quant, group_size)
-        if quant == "8da4w_offsets":
+        report["fp32_linears"] = quantize(speculator, quant, group_size, weight_types)
+        bits = collections.Counter(linear_bits(target).values())
+        report["target_linears_by_bits"] = {str(b): bits[b] for b in sorted(bits)}
+        if quant in ("8da4w_offsets", "8da_file"):
             grouped = [m for m in target.modules() if isinstance(m, GroupOffsetLinear)]
             report["grid_group_share"] = round(sum(m.grid_share for m in grouped) / max(len(grouped), 1), 4)
-            log.info("8da4w_offsets: %.1f%% of the target's weight groups are 4-bit grids (a 4-bit GGUF's blocks), "
-                     "kept as they are", 100 * report["grid_group_share"])
+            log.info("%s: %.1f%% of the target's 4-bit weight groups are 4-bit grids (a 4-bit GGUF's blocks), "
+                     "kept as they are", quant, 100 * report["grid_group_share"])
         log.info("%s (group %d) applied; linears left fp32: %s", quant, group_size, report["fp32_linears"] or "none")
 
     specs = method_specs(max_m=max_m, min_prefill_chunk=min_prefill_chunk, max_prefill_chunk=max_prefill_chunk,

@@ -259,6 +259,9 @@ def _check_engine(c: _Checker, export_max_m: int | None) -> int | None:
     from kernels.rule import SMALL_M_LIMIT
 
     c.choice("engine.quant", tuple(CUDA_QUANTS))
+    if (CUDA_QUANTS.get(c.get("engine.quant")) or {}).get("file") and c.get("target.kind") != "gguf":
+        c.fail("engine.quant", c.get("engine.quant"), "a scheme that does not follow a GGUF file (w4_g32, w4_g128, "
+               f"bf16): target={c.get('target.kind')} has no file whose precision it could follow")
     c.choice("engine.compile", CUDA_COMPILES)
     if c.get("engine.compile") == "inductor" and c.get("engine.quant") != "bf16":
         c.fail("engine.compile", "inductor", f"none with engine.quant={c.get('engine.quant')} (inductor compiles "
@@ -332,6 +335,9 @@ def check_config(cfg: DictConfig) -> None:
 
     c.choice("export.backend", EXPORT_BACKENDS)
     c.choice("export.quant", EXPORT_QUANTS)
+    if c.get("export.quant") == "8da_file" and c.get("target.kind") != "gguf":
+        c.fail("export.quant", "8da_file", "a scheme that does not follow a GGUF file (8da4w_offsets, 8da4w_draft, "
+               f"fp32): target={c.get('target.kind')} has no file whose precision it could follow")
     max_m = c.get("export.max_m") if c.int_in("export.max_m", 2) else None
     c.choice("export.draft_chains", (True, False))
     # default_chain `auto` (pipeline.hardware) is at most DEFAULT_CHAIN; it is checked as itself once resolved

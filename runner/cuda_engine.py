@@ -15,7 +15,9 @@ order and splits a flat cache would give them, so a ring changes no bit of a row
 INT4: the weights are quantised as loaded (float32 from the loaders: a GGUF's dequantised values) and only
 then cast, because models.quantize.quantize_w4 keeps a GGUF's 4-bit blocks exactly only where it sees
 them unrounded; bf16 rounding hides the grid and every block is quantised again. `dense` names linears kept
-in bf16: at group 32 with a bf16 lm_head the INT4 target stays closest to the file (docs/results.md). The
+in bf16: at group 32 with a bf16 lm_head the INT4 target stays closest to the file (docs/results.md);
+`target_dense` names more of the target's (engine.quant=w4_file: those its GGUF holds in 5 to 8 bits or in
+float, which 4 bits would round a second time, so only the file's 4-bit tensors take the kernels). The
 config's schemes (`engine.quant`) are these options under their names (models.choices.CUDA_QUANTS), and
 runner.build builds this engine from the target and draft artifacts.
 
@@ -173,7 +175,8 @@ class CudaEngine(Engine):
 
     def __init__(self, speculator: Speculator, *, max_m: int, default_chain: int, max_prefill_chunk: int,
                  min_prefill_chunk: int = 1, device: str | torch.device = "cuda", dtype: str = "bfloat16",
-                 kernels: bool = False, group: int = 128, dense: tuple[str, ...] = (), graphs: bool = True,
+                 kernels: bool = False, group: int = 128, dense: tuple[str, ...] = (),
+                 target_dense: tuple[str, ...] = (), graphs: bool = True,
                  exact: bool, compile: str = "none", manifest_hash: str = ""):
         from kernels.rule import check_max_m
 
@@ -194,7 +197,7 @@ class CudaEngine(Engine):
         if kernels:  # quantised from the weights as loaded (module doc, "INT4"), then the rest to bf16
             from kernels.transform import to_kernels
 
-            to_kernels(spec.target, max_m=max_m, group=group, dense=dense)
+            to_kernels(spec.target, max_m=max_m, group=group, dense=tuple(dense) + tuple(target_dense))
             to_kernels(spec.draft, max_m=max_m, group=group, dense=dense)
         spec = spec.to(self.dtype)
         spec.draft.check_gaps = False

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from models.gguf import read_weight_types
 from pipeline.artifacts import PTE
 from pipeline.export_pte import check_export_args, export_pte, windows
 from pipeline.store import building, hash_tree, scratch_dir
@@ -77,7 +78,8 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
              args["quant"], target_art.key[:12], draft_art.key[:12], max_m, max_m - 1, manifest_hash[:16])
 
     scratch = scratch_dir() if building() else None  # lowered methods: a killed export resumes from them
-    report = export_pte(speculator, out_path=Path(out) / PTE, manifest_hash=manifest_hash, scratch=scratch, **args)
+    report = export_pte(speculator, out_path=Path(out) / PTE, manifest_hash=manifest_hash, scratch=scratch,
+                        weight_types=read_weight_types(target_art.path), **args)
     report["pairing"] = facts
     return report
 

@@ -1,9 +1,10 @@
 """The target stage: the model every later stage speculates for.
 
-Artifact (one format for both choices, read with `models.load_target(artifact.path)`):
+Artifact (one format for every choice, read with `models.load_target(artifact.path)`):
     tokenizer.json      the tokenizer (`tokenizers.Tokenizer.from_file`)
     config.json         models.TargetConfig.to_dict()
     model.safetensors   Transformer.state_dict() without caches
+    weight_types.json   target=gguf only: the GGML type of each weight in the file (below)
 
 `target=tiny` (default) trains the embedded default target from scratch on the train split of `data`:
 a byte-level BPE tokenizer first (pipeline.data), then a Llama-family Transformer (models/) on random
@@ -23,7 +24,12 @@ modification times of the files in DIR, so a checkpoint changed in place is conv
 `target=gguf target.path=FILE.gguf` (or `target.package=NAME`, a package carrying or assembling a GGUF,
 models.gguf.PACKAGES) converts a llama.cpp GGUF file with models.gguf.read_gguf: transformers' reader
 dequantises it to float32, models.hf.target_from_hf validates it, and our model's logits are checked
-against transformers' before anything is written. The key includes the file's size and modification time (for a
+against transformers' before anything is written. Its artifact also holds `weight_types.json`
+(models.gguf.WEIGHT_TYPES: our state_dict key -> the GGML type the file stores that weight in, Q4_K, Q6_K, F32,
+...), the file's precision per weight, which the schemes that follow the file read (export.quant=8da_file,
+engine.quant=w4_file; models.quantize.file_bits). It is a copy of a few hundred header entries kept beside the
+weights because the artifact is all a later stage reads: the GGUF it came from may be moved, changed or
+uninstalled after the conversion, and the target's key covers the file as it was converted. The key includes the file's size and modification time (for a
 package: its installed version and the file's declared sha256, or the carried file's size and mtime), so
 a changed file converts again and an unchanged one converts once. Assembled package files are cached
 under `<paths.store>/.gguf/`.
@@ -54,7 +60,7 @@ from pipeline.store import dir_fingerprint, scratch_dir
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a GGUF target's artifact holds weight_types.json
 UPSTREAM = ()
 CONFIG_KEYS = ("target", "data", "seed")
 CHECKPOINT = "train_state.pt"
@@ -160,7 +166,7 @@ def gguf_source(cfg: DictConfig) -> Path:
 
 def convert_gguf(cfg: DictConfig, out: Path) -> dict:
     from models import save_target
-    from models.gguf import read_gguf
+    from models.gguf import WEIGHT_TYPES, read_gguf
     from models.text import write_chat_template
 
     tc = cfg.target
@@ -169,6 +175,7 @@ def convert_gguf(cfg: DictConfig, out: Path) -> dict:
     g = read_gguf(path, tap_layers=None if taps is None else tuple(taps))
     t0 = time.perf_counter()
     save_target(g.model, out)
+    (out / WEIGHT_TYPES).write_text(json.dumps(g.weight_types, indent=1) + "\n")
     g.tokenizer.save(str(out / "tokenizer.json"))
     has_template = write_chat_template(out, g.chat_template)
     save_s = time.perf_counter() - t0
