@@ -233,16 +233,20 @@ class Attention(nn.Module):
         The one place the attention math lives (a kernel may replace it). Soft-capping (when set) comes
         before the mask and the softmax runs in float32, as in HF's eager attention.
         """
-        rep = self.n_heads // self.n_kv_heads
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
+        B, h, T, hd = q.shape
+        kv, S, rep = k.shape[1], k.shape[2], q.shape[1] // k.shape[1]
+        if is_tracing():  # export: the repeated cache (splitting the symbolic T into rep * T rows breaks its guards)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        else:  # eager: the rep query heads of a KV head as one block of rep * T rows, the cache never copied
+            q = q.reshape(B, kv, rep * T, hd)
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.view(B, h, T, S).masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.matmul(p, v)
+        if not is_tracing():
+            p = p.view(B, kv, rep * T, S)
+        return torch.matmul(p, v).view(B, h, T, hd)
 
     def cache_size(self) -> tuple[int, int]:
         """(batch, length) of the cache, whatever its layout."""
