@@ -18,6 +18,8 @@ choice all read them here, so a name offered is a name served.
   fp32); `8da4w_offsets` (every linear 8da4w, the target's groups with a float offset each); `8da_file` (the
   draft as 8da4w_draft; each target linear at its GGUF's precision: the file's 4-bit tensors 8da4w with offsets,
   its 5- to 8-bit ones 8da8w, its float ones fp32; a target=gguf target only).
+- SERVED_QUANTS: the target's weights while the taps stage runs it (`taps.target_quant`;
+  models.quantize.quantize_served): `none` (float) or the target's scheme in the program that serves the draft.
 - RENAMED: the names these lists used before, each mapped to the name that replaced it, so that validation
   refuses an old name naming the new one instead of reading it as something else.
 
@@ -44,6 +46,9 @@ PROMPT_FORMATS = ("plain", "chat")
 EXPORT_BACKENDS = ("portable", "xnnpack")
 
 EXPORT_QUANTS = ("fp32", "8da4w_draft", "8da4w_offsets", "8da_file")
+
+# none: the float target | a scheme of EXPORT_QUANTS or CUDA_QUANTS that quantises the target (models.quantize_served)
+SERVED_QUANTS = ("none", "8da4w_offsets", "8da_file", "w4_g32", "w4_g128", "w4_file")
 
 RENAMED = {"export.quant": {"none": "fp32", "int4_draft": "8da4w_draft", "int4": "8da4w_offsets"},
            "engine.quant": {"none": "bf16", "int4": "w4_g32", "int4_g128": "w4_g128"}}

@@ -233,6 +233,43 @@ def quantize(speculator: nn.Module, quant: str, group_size: int, weight_types: d
     return skipped
 
 
+# --- the target as it is served, for the taps ---------------------------------------------------------------
+def quantize_served(target: nn.Module, scheme: str, group_size: int, weight_types: dict[str, str] | None = None) -> None:
+    """A target in place, computing as the program that will serve it does, so the taps (pipeline/stages/taps.py)
+    and a draft trained on them see the served target's outputs, not the float model's: a draft accepts what the
+    served target says (Gemma 3's, trained on the bf16 target's answers, accepts tau 3.24 against the INT4 target
+    at K = 4 and 3.89 against bf16).
+
+    `scheme` (models.choices.SERVED_QUANTS): `none` leaves it float; `8da4w_offsets` and `8da_file` are the .pte's
+    target schemes (export.quant, `group_size` = export.group_size): the same quantisers, whose torchao weights
+    compute with int8 per-token activations in eager mode too; `w4_g32`, `w4_g128` and `w4_file` the CUDA
+    engine's (engine.quant, models.choices.CUDA_QUANTS): every linear but the scheme's dense ones (and, for
+    w4_file, those its GGUF holds in more than 4 bits) takes the weight its INT4 kernel computes with,
+    dequantize_w4(quantize_w4(w)) rounded to bf16, held in the linear's own dtype (a tied lm_head's embedding
+    keeps the float table). `weight_types`: the target artifact's (the file schemes need them)."""
+    from models.choices import CUDA_QUANTS, SERVED_QUANTS
+
+    if scheme not in SERVED_QUANTS:
+        raise ValueError(f"taps.target_quant={scheme!r}: expected one of {', '.join(SERVED_QUANTS)} (or auto)")
+    if scheme == "8da4w_offsets":
+        quantize_8da4w_offsets(target, group_size)
+    elif scheme == "8da_file":
+        quantize_file(target, weight_types, group_size)
+    elif scheme != "none":
+        options = CUDA_QUANTS[scheme]
+        dense = set(options["dense"])
+        if options.get("file"):
+            bits = file_bits(target, weight_types, f"taps.target_quant={scheme}", "taps.target_quant=w4_g32")
+            dense |= {name for name, b in bits.items() if b > 4}
+        for name, m in target.named_modules():
+            if isinstance(m, nn.Linear) and name not in dense:
+                w = m.weight.detach()
+                packed, scale_zero = quantize_w4(w.float(), options["group"])
+                # a new parameter: a tied lm_head's embedding keeps its table, as the engine's Int4Linear leaves it
+                m.weight = nn.Parameter(dequantize_w4(packed, scale_zero, options["group"]).to(w.dtype),
+                                        requires_grad=False)
+
+
 # --- w4: the CUDA engine's INT4 kernels (engine.quant) -----------------------------------------------------
 def quantize_w4(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-only 4-bit, asymmetric min/max: w [N, K] -> (packed uint8 [N, K/2], scale_zero bf16 [K/g, N, 2]).

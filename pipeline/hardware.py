@@ -376,7 +376,7 @@ def resolve_exact_width(value, *, max_m: int, backend: str, quant: str, engine: 
     return width
 
 
-AUTO_KEYS = ("target.train.autocast", "draft.train.autocast", "export.default_chain")
+AUTO_KEYS = ("target.train.autocast", "draft.train.autocast", "export.default_chain", "taps.target_quant")
 
 
 def unresolved(cfg) -> list[str]:
@@ -384,6 +384,17 @@ def unresolved(cfg) -> list[str]:
     from omegaconf import OmegaConf
 
     return [k for k in AUTO_KEYS if OmegaConf.select(cfg, k, default=None) == AUTO]
+
+
+def served_quant(cfg) -> str:
+    """taps.target_quant=auto: the scheme the target's weights take in the program that serves the draft, or
+    `none` where they stay float: engine.quant on the CUDA engine, export.quant's target part elsewhere (the .pte
+    and eager engines run the exported program; `8da4w_draft` quantises the draft alone)."""
+    from models.choices import SERVED_QUANTS
+
+    eng, ec = cfg.get("engine"), cfg.get("export")
+    quant = str(eng.quant) if eng is not None and str(eng.kind) == "cuda" else str(ec.quant) if ec is not None else ""
+    return quant if quant in SERVED_QUANTS else "none"
 
 
 def resolve(cfg) -> dict:
@@ -405,6 +416,9 @@ def resolve(cfg) -> dict:
         if ec is not None and ec.get("default_chain") == AUTO:  # export.* and this machine alone
             ec.default_chain = resolved["export.default_chain"] = resolve_default_chain(
                 AUTO, max_m=int(ec.max_m), backend=str(ec.backend), quant=str(ec.quant))
+        tc = cfg.get("taps")
+        if tc is not None and tc.get("target_quant") == AUTO:
+            tc.target_quant = resolved["taps.target_quant"] = served_quant(cfg)
         eng = cfg.get("engine")
         if eng is not None:
             kind = str(eng.kind)

@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from models.choices import (CUDA_COMPILES, CUDA_QUANTS, ENGINES, EXPORT_BACKENDS, EXPORT_QUANTS, POLICIES,
-                            PROMPT_FORMATS, RENAMED)
+                            PROMPT_FORMATS, RENAMED, SERVED_QUANTS)
 from models.text import read_prompt_file
 
 log = logging.getLogger(__name__)
@@ -314,6 +314,10 @@ def check_config(cfg: DictConfig) -> None:
             c.choice(f"{group}.train.autocast", ("auto", "bfloat16"))  # null = fp32
 
     c.choice("taps.source", ("generate", "corpus"))
+    c.choice("taps.target_quant", ("auto", *SERVED_QUANTS))
+    if c.get("taps.target_quant") in ("8da_file", "w4_file") and c.get("target.kind") != "gguf":
+        c.fail("taps.target_quant", c.get("taps.target_quant"), f"a scheme that does not follow a GGUF file: "
+               f"target={c.get('target.kind')} has no file whose precision it could follow")
     for key in ("seq_len", "train_sequences", "held_out_sequences", "shard_sequences", "batch_size"):
         c.int_in(f"taps.{key}", 1)
 

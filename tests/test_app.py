@@ -116,13 +116,36 @@ def test_runtime_chain_does_not_change_the_export_key():
 
 def test_the_engine_group_does_not_change_the_export_key(monkeypatch):
     """export.* alone configures the export: neither the engine chosen nor any of its options moves the export key,
-    also where `export.default_chain=auto` is resolved from this CPU's row tile (pinned here at 4: K = 3)."""
+    also where `export.default_chain=auto` is resolved from this CPU's row tile (pinned here at 4: K = 3); an
+    engine that quantises the target moves it only through the draft it will serve (taps.target_quant=auto)."""
     monkeypatch.setattr(hardware, "row_tile", lambda quant: {"tile": 4, "capability": "pinned by the test"})
     keys = {export_key(*overrides) for overrides in (
         (), ("engine=eager",), ("engine=cuda",), ("engine=cuda", "engine.max_m=4", "engine.default_chain=2"),
-        ("engine=cuda", "engine.quant=w4_g32", "engine.exact=false"), ("engine.exact=true", "engine.exact_width=4"))}
+        ("engine=cuda", "engine.quant=w4_g32", "engine.exact=false", "taps.target_quant=none"),
+        ("engine.exact=true", "engine.exact_width=4"))}
     assert len(keys) == 1
+    assert export_key("engine=cuda", "engine.quant=w4_g32") not in keys
     assert compose_cfg().export.default_chain == compose_cfg("engine=cuda").export.default_chain == 3
+
+
+@pytest.mark.parametrize("overrides, served", [
+    ((), "none"), (("export.quant=fp32",), "none"), (("export.quant=8da4w_offsets",), "8da4w_offsets"),
+    (("engine=eager", "export.quant=8da4w_offsets"), "8da4w_offsets"), (("engine=cuda",), "none"),
+    (("engine=cuda", "engine.quant=w4_g128"), "w4_g128"), (("engine=cuda", "export.quant=8da4w_offsets"), "none"),
+    (("export.quant=8da4w_offsets", "taps.target_quant=none"), "none"),
+])
+def test_the_taps_tap_the_target_as_the_engine_serves_it(overrides, served):
+    """taps.target_quant=auto resolves to the served target's scheme (the .pte's for pte and eager, the CUDA
+    engine's own), and the taps and draft keys follow it; the target's key does not."""
+    cfg = compose_cfg(*overrides)
+    assert cfg.taps.target_quant == served
+    base = plan_keys(compose_cfg("taps.target_quant=none"), stage_modules())
+    keys = plan_keys(cfg, stage_modules())
+    assert keys["target"] == base["target"]
+    if served != "none":
+        assert keys["taps"] != base["taps"] and keys["draft"] != base["draft"]
+    else:
+        assert keys["taps"] == base["taps"]
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -142,7 +165,7 @@ def test_auto_autocast_keys_as_the_dtype_this_machine_computes_natively(monkeypa
 
 
 def test_an_unresolved_auto_never_reaches_a_key():
-    with pytest.raises(ValueError, match="target.train.autocast, draft.train.autocast, export.default_chain = auto"):
+    with pytest.raises(ValueError, match="target.train.autocast, draft.train.autocast, export.default_chain, taps.target_quant = auto"):
         plan_keys(compose_cfg(resolve=False), stage_modules())
 
 

@@ -203,3 +203,58 @@ def test_the_long_split_has_prompts_of_each_length_and_its_own_shards(tmp_path, 
         if name.endswith(".safetensors"):
             a, b = load_file(str(art.path / name)), load_file(str(resumed.path / name))
             assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+@pytest.mark.parametrize("scheme", ["8da4w_offsets", "w4_g32"])
+@torch.no_grad()
+def test_taps_of_a_quantised_target_are_what_that_target_computes(tmp_path, target_artifact, scheme):
+    """taps.target_quant: the stored answers, top-1s and taps are the quantised target's own (a stateless
+    forward of the target quantised by the same scheme over the stored ids), and not the float target's."""
+    from models import load_target
+    from models.quantize import quantize_served
+
+    target_art, data_cfg = target_artifact
+    cfg = OmegaConf.merge(stage_cfg(data_cfg, target_quant=scheme), {"export": {"group_size": 32}})
+    art = build(tmp_path, cfg, target_art)
+    assert art.report["target_quant"] == scheme
+    train = load_taps(art.path, "train")
+    quantised = load_target(target_art.path, max_seq_len=64)
+    quantize_served(quantised, scheme, 32)
+    logits, tapped = quantised(train["ids"], taps=True)
+    assert torch.equal(train["top1"], logits.argmax(-1))
+    assert torch.equal(train["ids"][:, 8:], logits.argmax(-1)[:, 7:-1])  # on-policy: its own greedy answers
+    # 8da rounds each row's input to int8: where the batched decode and the stateless forward differ in a last bit,
+    # a value can land one int8 step away
+    torch.testing.assert_close(train["taps"], torch.cat(tapped, -1), rtol=1e-3,
+                               atol=1e-2 if scheme.startswith("8da") else 1e-4)
+    float_logits, _ = load_target(target_art.path, max_seq_len=64)(train["ids"], taps=True)
+    assert not torch.equal(float_logits.argmax(-1), train["top1"])  # the scheme changed what the target says
+
+
+@pytest.mark.parametrize("scheme, group, dense", [("w4_g32", 32, {"lm_head"}), ("w4_g128", 128, set())])
+@torch.no_grad()
+def test_the_engines_schemes_give_each_linear_its_int4_kernels_weight(scheme, group, dense):
+    """A w4 scheme puts on every linear but its dense ones the weight the INT4 kernels compute with, in bf16;
+    a tied lm_head quantised leaves the embedding's table float, as the engine's Int4Linear does."""
+    from models.quantize import dequantize_w4, quantize_served, quantize_w4
+
+    target = tiny_target(seed=1, n_layers=2, max_seq_len=64, hidden_size=128, head_dim=32, intermediate_size=256,
+                         tie_embeddings=True)  # tied, as SmolLM2's
+    before = {n: m.weight.detach().clone() for n, m in target.named_modules() if isinstance(m, torch.nn.Linear)}
+    table = target.embed_tokens.weight.detach().clone()
+    quantize_served(target, scheme, 0)
+    for name, w in before.items():
+        got = dict(target.named_modules())[name].weight
+        if name in dense:
+            assert torch.equal(got, w), name
+        else:
+            expected = dequantize_w4(*quantize_w4(w, group), group).float()
+            assert torch.equal(got, expected) and not torch.equal(got, w), name
+    assert torch.equal(target.embed_tokens.weight, table)
+
+
+def test_a_scheme_the_taps_cannot_serve_is_refused_naming_the_choices():
+    from models.quantize import quantize_served
+
+    with pytest.raises(ValueError, match=r"taps.target_quant='int4'.*none, 8da4w_offsets"):
+        quantize_served(tiny_target(seed=0, n_layers=1, max_seq_len=16), "int4", 32)

@@ -63,6 +63,8 @@ def test_the_default_and_smoke_configs_pass():
     ("draft=load draft.path=. draft.aux_layer_convention=hf",
      "draft.aux_layer_convention='hf': one of auto, embedding_first, layer_output"),
     ("taps.source=web", "taps.source='web': one of generate, corpus"),
+    ("taps.target_quant=int4", "taps.target_quant='int4': one of auto, none, 8da4w_offsets, 8da_file, w4_g32"),
+    ("taps.target_quant=w4_file", "taps.target_quant='w4_file': a scheme that does not follow a GGUF file"),
     ("device=tpu", "device='tpu': one of cpu, cuda"),
     ("threads=0", "threads=0"),
     ("+experiment=smoke runtime.prompt_len=1000",

@@ -32,6 +32,11 @@ positions and attention spans of a long prompt and a long answer. A split's prom
 batch decodes over one set of cache positions, so batches take the lengths in turn (prompt_lengths), and a
 sequence's answer is T minus its prompt. A long prompt enters the target `PREFILL_CHUNK` tokens a call.
 
+The target computes as the program that serves the draft holds it (`taps.target_quant`, resolved by
+pipeline.hardware.served_quant: `auto` is the served target's scheme, export.quant's 8da4w_offsets/8da_file or
+engine.quant's w4_*; models.quantize.quantize_served), so the draft learns the quantised target's answers and
+states, which are what it will be asked to predict; `none` taps the float target.
+
 Sequences of a split are fixed up front from `seed` (windows cut at random places of the split's documents),
 and shard i always holds the same sequences, so an interrupted run resumes shard by shard from the stage's
 scratch directory. Under torchrun (pipeline.distributed) shard j of the list of every shard (train,
@@ -186,8 +191,12 @@ def split_counts(cfg: DictConfig) -> dict[str, int]:
 
 
 def key_extra(cfg: DictConfig) -> dict | None:
-    """Taps without a train split are another artifact than the same config's with one."""
-    return {"train_split": False} if split_counts(cfg)["train"] == 0 else None
+    """Taps without a train split are another artifact than the same config's with one; taps of a target
+    quantised as the .pte holds it (taps.target_quant 8da4w_offsets or 8da_file) depend on the export's groups."""
+    extra = {"train_split": False} if split_counts(cfg)["train"] == 0 else {}
+    if str(cfg.taps.get("target_quant", "none")).startswith("8da"):
+        extra["target_quant_group"] = int(cfg.export.group_size)
+    return extra or None
 
 
 def estimate_bytes(cfg: DictConfig, upstream: dict) -> int:
@@ -222,7 +231,16 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     if context is not None and longest > context:
         raise ValueError(f"taps: sequences of {longest} tokens exceed the {context} positions the target was "
                          f"trained for (its context_length)")
-    target = load_target(target_dir, max_seq_len=longest).to(device).eval()  # caches as long as the sequences
+    target = load_target(target_dir, max_seq_len=longest)  # caches as long as the sequences
+    quant = str(tc.get("target_quant", "none"))  # resolved (pipeline.hardware.served_quant): never auto here
+    if quant != "none":
+        from models.gguf import read_weight_types
+        from models.quantize import quantize_served
+
+        group = int(cfg.export.group_size) if quant.startswith("8da") else 0
+        quantize_served(target, quant, group, read_weight_types(target_dir))
+        log.info("taps: the target's weights as it is served (taps.target_quant=%s)", quant)
+    target = target.to(device).eval()
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     ends = end_ids(tokenizer)
 
@@ -321,6 +339,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
     report = {
         "source": source,
         "target_key": upstream["target"].key,
+        "target_quant": quant,
         "tap_layers": list(target.cfg.taps),
         "tokenizer_sha256": sha256_file(target_dir / "tokenizer.json"),
         "seq_len": lengths["train"][0],
