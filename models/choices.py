@@ -47,7 +47,7 @@ EXPORT_BACKENDS = ("portable", "xnnpack")
 
 EXPORT_QUANTS = ("fp32", "8da4w_draft", "8da4w_offsets", "8da_file")
 
-# none: the float target | a scheme of EXPORT_QUANTS or CUDA_QUANTS that quantises the target (models.quantize_served)
+# none: the float target | a scheme of EXPORT_QUANTS or CUDA_QUANTS that quantises the target
 SERVED_QUANTS = ("none", "8da4w_offsets", "8da_file", "w4_g32", "w4_g128", "w4_file")
 
 RENAMED = {"export.quant": {"none": "fp32", "int4_draft": "8da4w_draft", "int4": "8da4w_offsets"},

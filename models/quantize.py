@@ -234,7 +234,8 @@ def quantize(speculator: nn.Module, quant: str, group_size: int, weight_types: d
 
 
 # --- the target as it is served, for the taps ---------------------------------------------------------------
-def quantize_served(target: nn.Module, scheme: str, group_size: int, weight_types: dict[str, str] | None = None) -> None:
+def quantize_served(target: nn.Module, scheme: str, group_size: int,
+                    weight_types: dict[str, str] | None = None) -> None:
     """A target in place, computing as the program that will serve it does, so the taps (pipeline/stages/taps.py)
     and a draft trained on them see the served target's outputs, not the float model's: a draft accepts what the
     served target says (Gemma 3's, trained on the bf16 target's answers, accepts tau 3.24 against the INT4 target

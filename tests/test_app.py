@@ -165,7 +165,8 @@ def test_auto_autocast_keys_as_the_dtype_this_machine_computes_natively(monkeypa
 
 
 def test_an_unresolved_auto_never_reaches_a_key():
-    with pytest.raises(ValueError, match="target.train.autocast, draft.train.autocast, export.default_chain, taps.target_quant = auto"):
+    with pytest.raises(ValueError, match="target.train.autocast, draft.train.autocast, export.default_chain, "
+                                         "taps.target_quant = auto"):
         plan_keys(compose_cfg(resolve=False), stage_modules())
 
 
