@@ -319,9 +319,10 @@ def has_executorch() -> bool:
 
 
 def target_weights(export_quant: str) -> str:
-    """The weights of the target's linears (WEIGHTS), which a verify window's GEMMs read: only 8da4w_offsets
-    quantises them."""
-    return "8da4w" if export_quant == "8da4w_offsets" else "fp32"
+    """The weights of the target's linears (WEIGHTS), which a verify window's GEMMs read: 8da4w_offsets quantises
+    them, and 8da_file too (a GGUF's 4-bit tensors 8da4w, its 5- to 8-bit ones 8da8w: int8 per-row activations
+    either way)."""
+    return "8da4w" if export_quant in ("8da4w_offsets", "8da_file") else "fp32"
 
 
 def target_row_tile(export_quant: str) -> dict | None:

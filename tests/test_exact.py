@@ -162,6 +162,7 @@ def test_the_exact_width_is_refused_outside_the_programs_verify_range(exact):
 
 def test_auto_exact_is_on_where_a_rows_rounding_can_flip_a_token():
     assert resolve_exact("auto", engine="pte", quant="8da4w_offsets") and resolve_exact("auto", engine="cuda", quant="fp32")
+    assert resolve_exact("auto", engine="pte", quant="8da_file")  # its linears take int8 per-row activations too
     assert not resolve_exact("auto", engine="pte", quant="fp32") and not resolve_exact("auto", engine="eager",
                                                                                           quant="fp32")
     assert resolve_exact(True, engine="pte", quant="fp32") and not resolve_exact(False, engine="cuda", quant="fp32")
