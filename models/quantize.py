@@ -217,7 +217,8 @@ def linear_bits(module: nn.Module) -> dict[str, int]:
     return bits
 
 
-def quantize(speculator: nn.Module, quant: str, group_size: int, weight_types: dict[str, str] | None = None) -> list[str]:
+def quantize(speculator: nn.Module, quant: str, group_size: int,
+             weight_types: dict[str, str] | None = None) -> list[str]:
     """`export.quant` applied to a models.Speculator in place: `8da4w_draft` quantizes the draft's linears
     (symmetric 8da4w: its numerics move acceptance only, never the output, and the symmetric step is the cheaper
     one), `8da4w_offsets` the target's too, with group offsets, `8da_file` the target's at the precision of the
@@ -226,11 +227,24 @@ def quantize(speculator: nn.Module, quant: str, group_size: int, weight_types: d
     if quant == "fp32":
         return []
     skipped = [f"draft.{n}" for n in quantize_8da4w(speculator.draft, group_size)]
+    return skipped + [f"target.{n}" for n in quantize_target(speculator.target, quant, group_size, weight_types)]
+
+
+def quantize_target(target: nn.Module, quant: str, group_size: int,
+                    weight_types: dict[str, str] | None = None) -> list[str]:
+    """The target's part of an `export.quant` scheme in place: `8da4w_offsets` every linear with group offsets,
+    `8da_file` each at its GGUF's precision, any other scheme none. -> the linears left in fp32."""
     if quant == "8da4w_offsets":
-        skipped += [f"target.{n}" for n in quantize_8da4w_offsets(speculator.target, group_size)]
+        return quantize_8da4w_offsets(target, group_size)
     if quant == "8da_file":
-        skipped += [f"target.{n}" for n in quantize_file(speculator.target, weight_types, group_size)["32"]]
-    return skipped
+        return quantize_file(target, weight_types, group_size)["32"]
+    return []
+
+
+def file_dense(module: nn.Module, weight_types: dict[str, str] | None, scheme: str, instead: str) -> tuple[str, ...]:
+    """The linears of `module` its GGUF holds in more than 4 bits (`file_bits`), which `engine.quant=w4_file`
+    keeps in bf16 rather than round a second time."""
+    return tuple(name for name, b in file_bits(module, weight_types, scheme, instead).items() if b > 4)
 
 
 # --- the target as it is served, for the taps ---------------------------------------------------------------
@@ -252,16 +266,13 @@ def quantize_served(target: nn.Module, scheme: str, group_size: int,
 
     if scheme not in SERVED_QUANTS:
         raise ValueError(f"taps.target_quant={scheme!r}: expected one of {', '.join(SERVED_QUANTS)} (or auto)")
-    if scheme == "8da4w_offsets":
-        quantize_8da4w_offsets(target, group_size)
-    elif scheme == "8da_file":
-        quantize_file(target, weight_types, group_size)
+    if scheme in ("8da4w_offsets", "8da_file"):
+        quantize_target(target, scheme, group_size, weight_types)
     elif scheme != "none":
         options = CUDA_QUANTS[scheme]
         dense = set(options["dense"])
         if options.get("file"):
-            bits = file_bits(target, weight_types, f"taps.target_quant={scheme}", "taps.target_quant=w4_g32")
-            dense |= {name for name, b in bits.items() if b > 4}
+            dense |= set(file_dense(target, weight_types, f"taps.target_quant={scheme}", "taps.target_quant=w4_g32"))
         for name, m in target.named_modules():
             if isinstance(m, nn.Linear) and name not in dense:
                 w = m.weight.detach()

@@ -85,10 +85,10 @@ def cuda_engine(target, draft, *, max_m: int, default_chain: int, max_prefill_ch
     kernels = dict(CUDA_QUANTS[quant] or {})
     if kernels.pop("file", False):  # the target's linears its GGUF holds in more than 4 bits stay bf16
         from models.gguf import read_weight_types
-        from models.quantize import file_bits
+        from models.quantize import file_dense
 
-        bits = file_bits(model, read_weight_types(target), f"engine.quant={quant}", "engine.quant=w4_g32")
-        kernels["target_dense"] = tuple(name for name, b in bits.items() if b > 4)
+        kernels["target_dense"] = file_dense(model, read_weight_types(target), f"engine.quant={quant}",
+                                             "engine.quant=w4_g32")
     return CudaEngine(Speculator(model, load_speculators(draft, model)), max_m=int(max_m),
                       default_chain=int(default_chain), max_prefill_chunk=int(max_prefill_chunk),
                       min_prefill_chunk=int(max_m) + 1 if min_prefill_chunk is None else int(min_prefill_chunk),

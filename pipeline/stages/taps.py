@@ -194,9 +194,15 @@ def key_extra(cfg: DictConfig) -> dict | None:
     """Taps without a train split are another artifact than the same config's with one; taps of a target
     quantised as the .pte holds it (taps.target_quant 8da4w_offsets or 8da_file) depend on the export's groups."""
     extra = {"train_split": False} if split_counts(cfg)["train"] == 0 else {}
-    if str(cfg.taps.get("target_quant", "none")).startswith("8da"):
-        extra["target_quant_group"] = int(cfg.export.group_size)
+    if group := target_quant_group(cfg):
+        extra["target_quant_group"] = group
     return extra or None
+
+
+def target_quant_group(cfg: DictConfig) -> int:
+    """export.group_size where taps.target_quant is a .pte scheme (8da4w_offsets, 8da_file), whose groups it
+    sets; 0 for the others."""
+    return int(cfg.export.group_size) if str(cfg.taps.get("target_quant", "none")).startswith("8da") else 0
 
 
 def estimate_bytes(cfg: DictConfig, upstream: dict) -> int:
@@ -237,8 +243,7 @@ def run(cfg: DictConfig, upstream: dict, out: Path) -> dict:
         from models.gguf import read_weight_types
         from models.quantize import quantize_served
 
-        group = int(cfg.export.group_size) if quant.startswith("8da") else 0
-        quantize_served(target, quant, group, read_weight_types(target_dir))
+        quantize_served(target, quant, target_quant_group(cfg), read_weight_types(target_dir))
         log.info("taps: the target's weights as it is served (taps.target_quant=%s)", quant)
     target = target.to(device).eval()
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
